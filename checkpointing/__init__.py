@@ -1,0 +1,1 @@
+"""Checkpointing (async DCP, commit protocol, verified resume): see DESIGN.md."""

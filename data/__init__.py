@@ -1,0 +1,1 @@
+"""The input pipeline: image folders, sample order, datasets, loaders, synthetic data."""

@@ -1,0 +1,1 @@
+"""The training application: `python -m train +experiment=resnet`."""

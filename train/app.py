@@ -1,0 +1,146 @@
+"""`python -m train`: compose -> build data, model, optimizer -> train -> save weights."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data import synthetic
+from data.dataset import JpegFolderDataset, index_folder
+from data.errors import DatasetError
+from data.loader import eval_batches, make_loader
+from data.progress import task_progress
+from data.sampler import BatchPlan, GlobalBatchSampler
+from train.config import DataConfig, Device, Precision
+from train.errors import ConfigError
+from train.loop import LoopPlan, fit
+from train.model import build_model
+from train.optim import build_optimizer, build_scheduler
+from train.tracking import build_tracker, describe
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: DictConfig) -> Dict[str, float]:
+    """Train; a mistake the user can fix ends the process with one line and exit code 2."""
+    try:
+        return train(cfg)
+    except (ConfigError, DatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def train(cfg: DictConfig) -> Dict[str, float]:
+    OmegaConf.resolve(cfg)  # fixes run.name now, while Hydra's runtime is known
+    start = time.perf_counter()
+    device = resolve_device(cfg.trainer.device)
+    seed_everything(cfg.seed, device)
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    log.info("run %s in %s on %s", cfg.run.name, run_dir, device)
+
+    root = prepare_data_root(cfg.data)
+    train_set = JpegFolderDataset(index_folder(root / "train"), cfg.data.image_size, train=True,
+                                  seed=cfg.seed, crop_scale_min=cfg.data.crop_scale_min)
+    val_set = JpegFolderDataset(index_folder(root / "val"), cfg.data.image_size, train=False,
+                                seed=cfg.seed)
+    batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size,
+                           grad_accum_steps=cfg.trainer.grad_accum_steps)
+    loop_plan = make_loop_plan(cfg, batch_plan, device)
+    planned_steps = cfg.trainer.max_epochs * batch_plan.steps_per_epoch
+    log.info("%d train / %d val images, %d classes; %d steps of %d (%d per epoch, %d samples "
+             "dropped per epoch)", len(train_set), len(val_set), train_set.num_classes,
+             loop_plan.total_steps, cfg.data.global_batch_size, batch_plan.steps_per_epoch,
+             batch_plan.dropped_per_epoch)
+
+    model = build_model(cfg.model, train_set.num_classes).to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(cfg.optim, model)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, planned_steps,
+                                batch_plan.steps_per_epoch)
+    pin = device.type == "cuda"
+    train_loader = make_loader(train_set, GlobalBatchSampler(batch_plan, cfg.seed),
+                               cfg.data.num_workers, cfg.data.prefetch_factor, pin)
+    val_loader = make_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size),
+                             cfg.data.num_workers, cfg.data.prefetch_factor, pin)
+
+    tracker = build_tracker(cfg.logger, rank=0)
+    with tracker.run(cfg.run.name, cfg):
+        metrics = fit(model, optimizer, scheduler, train_loader, val_loader, loop_plan, tracker)
+    if cfg.trainer.save_final_weights:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), run_dir / "model_final.pt")
+    log.info("done in %.0fs: %s", time.perf_counter() - start,
+             describe(metrics, ["train/loss", "val/loss", "val/top1"]))
+    return metrics
+
+
+def resolve_device(choice: Device) -> torch.device:
+    if choice == Device.auto:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == Device.cuda and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible: "
+                          "use trainer.device=auto or trainer.device=cpu")
+    return torch.device(choice.value)
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # Same config + same seed = same bits on CPU. On CUDA speed wins (cuDNN autotuning).
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True)
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def make_loop_plan(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device) -> LoopPlan:
+    trainer = cfg.trainer
+    if trainer.max_epochs < 1 or (trainer.max_steps is not None and trainer.max_steps < 1):
+        raise ConfigError("trainer.max_epochs and trainer.max_steps must be >= 1")
+    planned = trainer.max_epochs * batch_plan.steps_per_epoch
+    total = min(planned, trainer.max_steps) if trainer.max_steps else planned
+    bf16 = trainer.precision == Precision.bf16 or (
+        trainer.precision == Precision.auto and device.type == "cuda")
+    return LoopPlan(
+        total_steps=total,
+        steps_per_epoch=batch_plan.steps_per_epoch,
+        global_batch_size=batch_plan.global_batch_size,
+        grad_accum_steps=trainer.grad_accum_steps,
+        device=device,
+        autocast_dtype=torch.bfloat16 if bf16 else None,
+        val_every_steps=trainer.val_every_epochs * batch_plan.steps_per_epoch,
+        log_every_steps=trainer.log_every_steps,
+        grad_clip_norm=trainer.grad_clip_norm,
+        label_smoothing=trainer.label_smoothing,
+    )
+
+
+def prepare_data_root(cfg: DataConfig) -> Path:
+    """The dataset root; the embedded shapes dataset is generated here on first use."""
+    root = Path(cfg.root)
+    if Path(cfg.root) != Path(cfg.synthetic.dir):
+        if not root.is_dir():
+            raise DatasetError(f"data.root {root} does not exist or is not a directory: "
+                               f"point data.root at a folder with train/ and val/ subfolders")
+        if not any(root.iterdir()):
+            raise DatasetError(f"data.root {root} is empty: expected train/<class>/*.jpg and "
+                               f"val/<class>/*.jpg under it")
+        return root
+    syn = cfg.synthetic
+    if not synthetic.is_complete(root, synthetic.manifest(syn.seed, syn.num_train, syn.num_val,
+                                                          syn.size)):
+        log.info("generating the shapes dataset at %s (first use)", root)
+        with task_progress("generating shapes", syn.num_train + syn.num_val) as update:
+            synthetic.generate(root, syn.num_train, syn.num_val, syn.size, syn.seed,
+                               progress=update)
+    return root

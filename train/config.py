@@ -1,0 +1,208 @@
+"""Typed configuration: the schema every YAML file in `conf/` is merged onto.
+
+Hydra validates overrides against these dataclasses, so a misspelt key (`optim.lrr=0.1`) or
+a bad value (`trainer.device=gpu`) fails at start with Hydra's own one-line message, before
+any work is done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(str, Enum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class OptimizerName(str, Enum):
+    sgd = "sgd"
+    adamw = "adamw"
+
+
+class SchedulerName(str, Enum):
+    cosine = "cosine"
+    step = "step"
+    constant = "constant"
+
+
+class LoggerName(str, Enum):
+    mlflow = "mlflow"
+    none = "none"
+
+
+# Overrides that change how a run is executed or observed but not what it trains: they are
+# left out of the default run name so that, e.g., extending `trainer.max_steps` resumes the
+# same run instead of starting a new one. Prefixes match whole key segments.
+DEFAULT_RUN_NAME_EXCLUDES = [
+    "trainer.max_steps",
+    "trainer.device",
+    "trainer.log_every_steps",
+    "trainer.save_final_weights",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.cache_dir",
+    "data.cache_limit_gb",
+    "logger",
+    "run",
+    "hydra",
+]
+
+
+@dataclass
+class RunConfig:
+    # The run's identity: the same name lands in the same output directory (and resumes).
+    name: str = "${goodput.run_name:}"
+    root: str = "outputs"
+    exclude_keys: List[str] = field(default_factory=lambda: list(DEFAULT_RUN_NAME_EXCLUDES))
+
+
+@dataclass
+class ModelConfig:
+    # Any torchvision classification model: torchvision.models.list_models(torchvision.models)
+    name: str = "resnet18"
+
+
+@dataclass
+class SyntheticConfig:
+    """The embedded shapes dataset, generated on first use when `data.root` is `dir`."""
+
+    num_train: int = 10000
+    num_val: int = 2000
+    size: int = 96  # image width in pixels; height is 3/4 of it (like ImageNet's 500x375)
+    seed: int = 0
+    dir: str = "datasets/shapes-seed${.seed}-train${.num_train}-val${.num_val}-size${.size}"
+
+
+@dataclass
+class DataConfig:
+    root: str = "${.synthetic.dir}"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    global_batch_size: int = 128  # samples consumed by one optimizer step, over all ranks
+    val_batch_size: int = 256
+    num_workers: int = 2
+    prefetch_factor: int = 4
+    image_size: int = 64
+    crop_scale_min: float = 0.35  # RandomResizedCrop's lower area bound
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "single"
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.sgd
+    lr: float = 0.1
+    weight_decay: float = 5e-4
+    momentum: float = 0.9
+    nesterov: bool = True
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class SchedulerConfig:
+    name: SchedulerName = SchedulerName.cosine
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the peak lr
+    step_epochs: int = 3  # step: multiply lr by gamma every step_epochs epochs
+    gamma: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 10  # the planned length: the lr schedule spans it
+    max_steps: Optional[int] = None  # stop early at this optimizer step (the schedule is kept)
+    device: Device = Device.auto
+    precision: Precision = Precision.auto
+    grad_accum_steps: int = 1
+    grad_clip_norm: Optional[float] = None
+    label_smoothing: float = 0.0
+    val_every_epochs: int = 1
+    log_every_steps: int = 10
+    save_final_weights: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerName = LoggerName.mlflow
+    # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd).
+    tracking_uri: Optional[str] = None
+    experiment_name: str = "goodput-trainer"
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def _matches(key: str, prefixes: List[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def default_run_name(experiment: Optional[str], overrides: List[str], excludes: List[str],
+                     keep_excluded: bool = False) -> str:
+    """The experiment name plus the overrides that change what is trained.
+
+    `keep_excluded` is set for multirun jobs: a sweep over an otherwise ignored key must
+    still give every job its own directory, so nothing but Hydra's own keys is dropped.
+    """
+    kept = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "experiment" or _matches(key, ["hydra", "run"]):
+            continue
+        if not keep_excluded and _matches(key, excludes):
+            continue
+        kept.append(override.lstrip("+~").replace("/", "_"))
+    name = experiment or "default"
+    if kept:
+        name += "-" + ",".join(sorted(kept))
+    if len(name) > 120:  # keep directory names legal; the hash keeps them distinct
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        name = f"{name[:100]}-{digest}"
+    return name
+
+
+def _resolve_run_name(*, _root_: Any) -> str:
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # composed outside @hydra.main (tests, notebooks)
+        return "default"
+    return default_run_name(
+        experiment=hydra_cfg.runtime.choices.get("experiment"),
+        overrides=list(hydra_cfg.overrides.task),
+        excludes=list(_root_.run.exclude_keys),
+        keep_excluded=hydra_cfg.mode == RunMode.MULTIRUN,
+    )
+
+
+def register_configs() -> None:
+    """Register the schema and the run-name resolver; safe to call more than once."""
+    if not OmegaConf.has_resolver("goodput.run_name"):
+        OmegaConf.register_new_resolver("goodput.run_name", _resolve_run_name)
+    ConfigStore.instance().store(name="base_config", node=Config)
