@@ -21,20 +21,20 @@ def mlflow_runs(db: Path):
 def test_a_tiny_run_trains_logs_to_mlflow_and_saves_weights(tmp_path, tiny_root):
     db = tmp_path / "mlflow.db"
     result = run_train(["+experiment=resnet", *tiny_overrides(tiny_root), "data.num_workers=2",
-                        f"logger.tracking_uri=sqlite:///{db}"], cwd=tmp_path)
+                        "optim.lr=0.005", f"logger.tracking_uri=sqlite:///{db}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     client, runs = mlflow_runs(db)
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
     name = run.data.tags["mlflow.runName"]
-    assert name.startswith("resnet-data.image_size=32")
+    assert name.startswith("resnet-data.global_batch_size=20,data.image_size=32")
     assert (tmp_path / "outputs" / name / "model_final.pt").is_file()
     for key in ["train/loss", "train/lr", "train/images_per_second", "data/fetch_seconds",
                 "data/fetch_seconds_p99", "data/first_batch_seconds", "val/loss", "val/top1"]:
         assert key in run.data.metrics, key
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/top1")] == [6, 12]
-    assert run.data.params["optim.lr"] == "0.1"
+    assert run.data.params["optim.lr"] == "0.005"
     assert run.data.params["data.num_workers"] == "2"
     config = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
     assert "global_batch_size: 20" in config.read_text()

@@ -85,6 +85,6 @@ def test_a_wrong_key_or_value_is_rejected_at_compose(override, message):
 def test_a_misspelt_key_fails_on_the_command_line_without_a_traceback(tmp_path):
     result = run_train(["+experiment=resnet", "optim.lrr=0.1"], cwd=tmp_path)
     assert result.returncode != 0
-    assert "Key 'lrr' is not in struct" in result.stderr
+    assert "Key 'lrr' not in 'OptimConfig'" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "outputs").exists()  # failed before any work
