@@ -1,9 +1,14 @@
-"""JPEG image-folder datasets with per-sample deterministic augmentation.
+"""JPEG datasets over a volume and a node cache, with per-sample deterministic augmentation.
 
-`root/<split>/<class>/*.jpg` is indexed once into a sorted (file, label) list. A sample is
-addressed by `(epoch, index)`; its random crop and flip come from a `torch.Generator` seeded by
-(seed, epoch, index), never from the global RNG, so the same sample gets the same pixels in
-any worker, on any rank, after any restart, and the trainer's own RNG is left untouched.
+A sample is addressed by `(epoch, index)`; its bytes come from the node cache (or straight
+from the volume when there is none), and its random crop and flip from a `torch.Generator`
+seeded by (seed, epoch, index), never from the global RNG, so the same sample gets the same
+pixels in any worker, on any rank, after any restart, and the trainer's own RNG is left alone.
+
+A file that is not a readable JPEG (corrupt, truncated, not a JPEG, gone, unreadable) is a
+*bad file*: with `on_bad_file="skip"` its sample is left out of its batch with a warning and
+counted, deterministically (it is bad in every epoch, on every rank), so exact-once holds over
+the readable samples and a resume stays exact; with `"fail"` it ends the run with one line.
 
 Batches leave the loader as uint8 (4x fewer bytes to copy to the device); `normalize` turns
 them into float on the device.
@@ -11,52 +16,41 @@ them into float on the device.
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
-from data.errors import DatasetError
+from data.cache import Lookup, NodeCache, cache_key
+from data.errors import DatasetError, OnBadFile
+from data.index import DatasetIndex
 from data.sampler import Key, derive_seed
+from data.volume import BadFileError, Volume
+
+log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".JPG", ".JPEG")
 
 
-@dataclass(frozen=True)
-class FolderIndex:
-    root: Path
-    classes: List[str]
-    files: List[str]  # relative to root, sorted
-    labels: List[int]
-
-    def __len__(self) -> int:
-        return len(self.files)
+class Sample(NamedTuple):
+    image: Optional[torch.Tensor]  # uint8 CHW; None for a skipped bad file
+    label: int
+    index: int
+    lookup: Lookup
 
 
-def index_folder(root: Path) -> FolderIndex:
-    """Sorted (file, label) list of an ImageFolder split directory."""
-    root = Path(root)
-    if not root.is_dir():
-        raise DatasetError(f"data split directory {root} does not exist: set data.root to a "
-                           f"folder holding train/<class>/*.jpg and val/<class>/*.jpg")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise DatasetError(f"{root} has no class folders: expected {root}/<class>/*.jpg")
-    files, labels = [], []
-    for label, name in enumerate(classes):
-        found = sorted(p.name for p in (root / name).iterdir() if p.suffix in IMAGE_SUFFIXES)
-        if not found:
-            raise DatasetError(f"class folder {root / name} holds no .jpg files: add images "
-                               f"or remove the folder")
-        files += [f"{name}/{f}" for f in found]
-        labels += [label] * len(found)
-    return FolderIndex(root, classes, files, labels)
+def jpeg_problem(data: bytes) -> Optional[str]:
+    """Why `data` cannot be a whole JPEG, or None. Decoders often accept a truncated file
+    (filling the rest with grey), so the end-of-image marker is checked explicitly."""
+    if data[:2] != b"\xff\xd8":
+        return "not a JPEG (no start-of-image marker)"
+    if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+        return "truncated JPEG (no end-of-image marker)"
+    return None
 
 
 def random_resized_crop_box(height: int, width: int, generator: torch.Generator,
@@ -88,12 +82,16 @@ def random_resized_crop_box(height: int, width: int, generator: torch.Generator,
 
 
 class JpegFolderDataset(torch.utils.data.Dataset):
-    """Map-style dataset over a `FolderIndex`; items are (uint8 CHW image, label, index)."""
+    """Map-style dataset over a `DatasetIndex`; items are `Sample`s (see `data.loader`)."""
 
-    def __init__(self, index: FolderIndex, image_size: int, train: bool, seed: int,
-                 crop_scale_min: float = 0.35) -> None:
-        self.index, self.image_size, self.train = index, image_size, train
+    def __init__(self, index: DatasetIndex, volume: Volume, cache: Optional[NodeCache],
+                 image_size: int, train: bool, seed: int, crop_scale_min: float = 0.35,
+                 on_bad_file: OnBadFile = OnBadFile.skip) -> None:
+        self.index, self.volume, self.cache = index, volume, cache
+        self.image_size, self.train = image_size, train
         self.seed, self.crop_scale = seed, (crop_scale_min, 1.0)
+        self.on_bad_file = OnBadFile(on_bad_file)
+        self._warned: Set[int] = set()
 
     def __len__(self) -> int:
         return len(self.index)
@@ -102,18 +100,47 @@ class JpegFolderDataset(torch.utils.data.Dataset):
     def num_classes(self) -> int:
         return len(self.index.classes)
 
-    def read_bytes(self, i: int) -> bytes:
-        return (self.index.root / self.index.files[i]).read_bytes()
+    def key(self, i: int) -> str:
+        return cache_key(self.volume.path(self.index.name(i)), int(self.index.sizes[i]))
 
-    def __getitem__(self, key: Key) -> Tuple[torch.Tensor, int, int]:
+    def fetch(self, i: int) -> bytes:
+        """Sample i's bytes from the volume (BadFileError when it cannot be read)."""
+        return self.volume.read(self.index.name(i))
+
+    def read_bytes(self, i: int) -> Tuple[bytes, Lookup]:
+        if self.cache is None:
+            data = self.fetch(i)
+            return data, Lookup(False, len(data))
+        return self.cache.get(self.key(i), lambda: self.fetch(i))
+
+    def __getitem__(self, key: Key) -> Sample:
         epoch, i = key
-        data = torch.frombuffer(bytearray(self.read_bytes(i)), dtype=torch.uint8)
-        image = decode_jpeg(data, mode=ImageReadMode.RGB)
-        if self.train:
-            image = self.augment(image, epoch, i)
-        else:
-            image = self.center(image)
-        return image, self.index.labels[i], i
+        label = int(self.index.labels[i])
+        try:
+            data, lookup = self.read_bytes(i)
+            problem = jpeg_problem(data)
+            if problem is None:
+                image = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                    mode=ImageReadMode.RGB)
+        except BadFileError as err:
+            data, lookup, problem = b"", Lookup(False, 0), str(err)
+        except RuntimeError:  # the decoder's verdict on a corrupt file
+            problem = "corrupt JPEG (the decoder rejected it)"
+        if problem is not None:
+            self.bad_file(i, problem)
+            return Sample(None, label, i, lookup)
+        image = self.augment(image, epoch, i) if self.train else self.center(image)
+        return Sample(image, label, i, lookup)
+
+    def bad_file(self, i: int, problem: str) -> None:
+        path = self.volume.path(self.index.name(i))
+        if self.on_bad_file == OnBadFile.fail:
+            raise DatasetError(f"{path}: {problem}: remove or replace the file, or set "
+                               f"data.on_bad_file=skip to train without it")
+        if i not in self._warned:  # once per file and process, not once per epoch
+            self._warned.add(i)
+            log.warning("skipping %s: %s (data.on_bad_file=skip; skipped in every epoch)",
+                        path, problem)
 
     def augment(self, image: torch.Tensor, epoch: int, i: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, i))

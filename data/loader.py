@@ -1,24 +1,126 @@
-"""DataLoaders for the sample order in `data.sampler`."""
+"""The DataLoader for this data path, and the prefetcher that keeps the cache ahead of it."""
 
 from __future__ import annotations
 
-from typing import List
+import logging
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Deque, Iterable, Iterator, List, NamedTuple, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+from data.dataset import JpegFolderDataset, Sample
+from data.errors import DatasetError
+from data.metrics import BAD_FILES, HITS, LOOKUPS, VOLUME_BYTES, DataCounters
 from data.sampler import Key
+from data.volume import BadFileError
+
+log = logging.getLogger(__name__)
 
 
-def make_loader(dataset: Dataset, batch_sampler: torch.utils.data.Sampler | List[List[Key]],
-                num_workers: int, prefetch_factor: int, pin_memory: bool) -> DataLoader:
-    """Workers persist across epochs (the sampler never ends, and eval reuses its workers),
-    and each keeps `prefetch_factor` batches decoded ahead of the loop."""
-    extra = {}
-    if num_workers > 0:
-        extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, **extra)
+class Batch(NamedTuple):
+    images: torch.Tensor  # uint8 NCHW; bad files are left out, so N may be short
+    labels: torch.Tensor
+    indices: torch.Tensor  # dataset indices of the samples in the batch
+    stats: torch.Tensor  # int64 [lookups, hits, volume bytes, bad files] (data.metrics)
+
+
+def collate_samples(samples: List[Sample]) -> Batch:
+    good = [s for s in samples if s.image is not None]
+    stats = torch.zeros(4, dtype=torch.int64)
+    stats[LOOKUPS] = len(samples)
+    stats[HITS] = sum(s.lookup.hit for s in samples)
+    stats[VOLUME_BYTES] = sum(s.lookup.volume_bytes for s in samples)
+    stats[BAD_FILES] = len(samples) - len(good)
+    if not good:
+        return Batch(torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int64),
+                     torch.zeros(0, dtype=torch.int64), stats)
+    return Batch(torch.stack([s.image for s in good]),
+                 torch.tensor([s.label for s in good], dtype=torch.int64),
+                 torch.tensor([s.index for s in good], dtype=torch.int64), stats)
+
+
+class PrefetchingBatches(torch.utils.data.Sampler[List[Key]]):
+    """Passes batches of keys through unchanged, and meanwhile has `threads` threads fetch
+    the files of the next `lookahead` batches into the node cache.
+
+    The DataLoader draws keys only as it dispatches work, so the look-ahead is bounded: at
+    most `lookahead` batches beyond what the workers were given.
+    """
+
+    def __init__(self, batches: Iterable[List[Key]], dataset: JpegFolderDataset,
+                 counters: DataCounters, threads: int, lookahead: int) -> None:
+        self.batches, self.dataset, self.counters = batches, dataset, counters
+        self.threads, self.lookahead = threads, lookahead
+
+    def __iter__(self) -> Iterator[List[Key]]:
+        # A generator: the pool starts at the first draw, after the workers have forked.
+        upcoming = iter(self.batches)
+        ahead: Deque[List[Key]] = deque()
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="prefetch")
+        try:
+            while True:
+                while len(ahead) <= self.lookahead:
+                    batch = next(upcoming, None)
+                    if batch is None:
+                        break
+                    ahead.append(batch)
+                    for _, i in batch:
+                        pool.submit(self._warm, i)
+                if not ahead:
+                    return
+                yield ahead.popleft()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _warm(self, i: int) -> None:
+        try:
+            self.counters.add(volume_bytes=self.dataset.cache.ensure(
+                self.dataset.key(i), lambda: self.dataset.fetch(i)))
+        except (BadFileError, DatasetError):
+            pass  # the worker that decodes it reports it, in order and deterministically
+        except Exception:  # a prefetch is only a hint: never let it kill the thread pool
+            log.exception("prefetch of sample %d failed", i)
+
+
+def default_num_workers(local_world_size: int = 1) -> int:
+    """Decode is CPU-bound: one worker per core this rank may use, at most 8."""
+    cores = len(os.sched_getaffinity(0)) // max(local_world_size, 1)
+    return max(1, min(8, cores))
+
+
+class VolumeLoader(DataLoader):
+    """A DataLoader tuned for JPEGs on a slow volume behind a node cache.
+
+    - `num_workers`: decode runs in worker processes (`default_num_workers()` if None).
+    - persistent workers: the train sampler never ends and eval reuses its workers, so
+      nothing is re-forked per epoch (forking re-pays the imports and loses warm state).
+    - `prefetch_factor` batches per worker decoded ahead of the loop.
+    - `pin_memory`: set on CUDA, so host-to-device copies are asynchronous.
+    - prefetch threads (`prefetch_threads`, `prefetch_batches` of look-ahead) fill the cache
+      ahead of the workers when the dataset has a cache.
+    - `counters`: cache and volume statistics (see `data.metrics`).
+    """
+
+    def __init__(self, dataset: JpegFolderDataset, batches: Iterable[List[Key]],
+                 num_workers: Optional[int] = None, prefetch_factor: int = 4,
+                 pin_memory: bool = False, prefetch_threads: int = 16,
+                 prefetch_batches: int = 8) -> None:
+        self.counters = DataCounters()
+        if dataset.cache is not None and prefetch_threads > 0:
+            batches = PrefetchingBatches(batches, dataset, self.counters, prefetch_threads,
+                                         prefetch_batches)
+        workers = default_num_workers() if num_workers is None else num_workers
+        extra = {}
+        if workers > 0:
+            extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
+        # Its own generator: the base seed DataLoader draws for workers at every iter() must
+        # not come from the global RNG, or resuming (which restores it) would shift it.
+        super().__init__(dataset, batch_sampler=batches, num_workers=workers,
+                         collate_fn=collate_samples, pin_memory=pin_memory,
+                         generator=torch.Generator().manual_seed(0), **extra)
 
 
 def eval_batches(dataset_size: int, batch_size: int, rank: int = 0,

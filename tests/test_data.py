@@ -7,10 +7,13 @@ import itertools
 import pytest
 import torch
 
-from data.dataset import JpegFolderDataset, index_folder, normalize
+from data.dataset import normalize
 from data.errors import DatasetError
-from data.loader import eval_batches, make_loader
+from data.index import list_split
+from data.loader import VolumeLoader, eval_batches
+from data.pipeline import open_dataset
 from data.sampler import BatchPlan, GlobalBatchSampler
+from data.volume import Volume
 
 
 def take_steps(sampler: GlobalBatchSampler, steps: int):
@@ -53,27 +56,27 @@ def test_batch_size_must_divide_by_world_size_times_accumulation():
 
 
 def test_augmentation_is_per_sample_and_leaves_the_global_rng_alone(tiny_root):
-    ds = JpegFolderDataset(index_folder(tiny_root / "train"), 24, train=True, seed=3)
+    ds = open_dataset(Volume(str(tiny_root)), "train", None, 24, train=True, seed=3)
     state = torch.get_rng_state()
-    a, label, index = ds[(0, 5)]
+    a, label, index, _ = ds[(0, 5)]
     assert torch.equal(torch.get_rng_state(), state)
     assert (a.shape, a.dtype, label, index) == ((3, 24, 24), torch.uint8,
                                                 ds.index.labels[5], 5)
     assert torch.equal(ds[(0, 5)][0], a)
     assert not torch.equal(ds[(1, 5)][0], a)  # another epoch, another crop
-    other_seed = JpegFolderDataset(ds.index, 24, train=True, seed=4)
+    other_seed = open_dataset(Volume(str(tiny_root)), "train", None, 24, train=True, seed=4)
     assert not torch.equal(other_seed[(0, 5)][0], a)
 
 
 def test_workers_deliver_the_same_batches_as_the_main_process(tiny_root):
-    ds = JpegFolderDataset(index_folder(tiny_root / "train"), 24, train=True, seed=0)
+    ds = open_dataset(Volume(str(tiny_root)), "train", None, 24, train=True, seed=0)
     plan = BatchPlan(len(ds), 20)
     batches = {}
     for workers in (0, 2):
-        loader = make_loader(ds, GlobalBatchSampler(plan, seed=0), workers, 2, False)
+        loader = VolumeLoader(ds, GlobalBatchSampler(plan, seed=0), workers, 2)
         batches[workers] = list(itertools.islice(iter(loader), 8))  # crosses an epoch
-    for (x0, y0, i0), (x2, y2, i2) in zip(batches[0], batches[2]):
-        assert torch.equal(x0, x2) and torch.equal(y0, y2) and torch.equal(i0, i2)
+    for a, b in zip(batches[0], batches[2]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_eval_batches_cover_every_sample_once_over_ranks():
@@ -82,14 +85,15 @@ def test_eval_batches_cover_every_sample_once_over_ranks():
 
 
 def test_index_errors_name_the_path(tmp_path):
-    with pytest.raises(DatasetError, match="does not exist"):
-        index_folder(tmp_path / "missing")
+    volume = Volume(str(tmp_path))
+    with pytest.raises(DatasetError, match="missing does not exist"):
+        list_split(volume, "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match="no class folders"):
-        index_folder(tmp_path / "empty")
+        list_split(volume, "empty")
     (tmp_path / "empty" / "cat").mkdir()
     with pytest.raises(DatasetError, match="cat holds no .jpg"):
-        index_folder(tmp_path / "empty")
+        list_split(volume, "empty")
 
 
 def test_normalize_maps_uint8_to_standardized_float():

@@ -13,17 +13,21 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data import synthetic
-from data.dataset import JpegFolderDataset, index_folder
+from checkpointing.manager import CheckpointError
 from data.errors import DatasetError
-from data.loader import eval_batches, make_loader
-from data.progress import task_progress
+from data.loader import eval_batches
+from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
-from train.config import DataConfig, Device, Precision
+from train.checkpoint import (CheckpointSchedule, Checkpointing, build_manager,
+                              omitted_state_keys, resume, training_config)
+from train.config import Device, Precision
+from train.distributed import World, broadcast_object, init_world, shutdown_world
 from train.errors import ConfigError
 from train.loop import LoopPlan, fit
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
+from train.state import (DataIdentity, DataState, ModelState, OptimizerState, Progress,
+                         RNGState, RunInfo, SchedulerState, TrainerState)
 from train.tracking import build_tracker, describe
 
 log = logging.getLogger(__name__)
@@ -33,7 +37,7 @@ def run(cfg: DictConfig) -> Dict[str, float]:
     """Train; a mistake the user can fix ends the process with one line and exit code 2."""
     try:
         return train(cfg)
-    except (ConfigError, DatasetError) as err:
+    except (ConfigError, DatasetError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -43,16 +47,22 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     start = time.perf_counter()
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device)
-    run_dir = Path(cfg.run.root) / cfg.run.name
-    log.info("run %s in %s on %s", cfg.run.name, run_dir, device)
+    world = init_world()
+    try:
+        return train_in_world(cfg, world, device, start)
+    finally:
+        shutdown_world()
 
-    root = prepare_data_root(cfg.data)
-    train_set = JpegFolderDataset(index_folder(root / "train"), cfg.data.image_size, train=True,
-                                  seed=cfg.seed, crop_scale_min=cfg.data.crop_scale_min)
-    val_set = JpegFolderDataset(index_folder(root / "val"), cfg.data.image_size, train=False,
-                                seed=cfg.seed)
-    batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size,
-                           grad_accum_steps=cfg.trainer.grad_accum_steps)
+
+def train_in_world(cfg: DictConfig, world: World, device: torch.device,
+                   start: float) -> Dict[str, float]:
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
+             world.world_size)
+
+    train_set, val_set = build_datasets(cfg.data, cfg.seed)
+    batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size, world.world_size,
+                           cfg.trainer.grad_accum_steps)
     loop_plan = make_loop_plan(cfg, batch_plan, device)
     planned_steps = cfg.trainer.max_epochs * batch_plan.steps_per_epoch
     log.info("%d train / %d val images, %d classes; %d steps of %d (%d per epoch, %d samples "
@@ -66,16 +76,36 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.scheduler, optimizer, planned_steps,
                                 batch_plan.steps_per_epoch)
-    pin = device.type == "cuda"
-    train_loader = make_loader(train_set, GlobalBatchSampler(batch_plan, cfg.seed),
-                               cfg.data.num_workers, cfg.data.prefetch_factor, pin)
-    val_loader = make_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size),
-                             cfg.data.num_workers, cfg.data.prefetch_factor, pin)
 
-    tracker = build_tracker(cfg.logger, rank=0)
-    with tracker.run(cfg.run.name, cfg):
-        metrics = fit(model, optimizer, scheduler, train_loader, val_loader, loop_plan, tracker)
-    if cfg.trainer.save_final_weights:
+    progress = Progress()
+    info = RunInfo(mlflow_run_id=None, config=training_config(cfg))
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+             "scheduler": SchedulerState(scheduler), "trainer": TrainerState(progress),
+             "data": DataState(progress, DataIdentity(cfg.seed, len(train_set),
+                                                      cfg.data.global_batch_size)),
+             "rng": RNGState(world.rank), "run": info}
+    for key in omitted_state_keys():  # negative controls in tests only (GOODPUT_FAULT)
+        del state[key]
+    manager = build_manager(cfg, world)
+    resumed_run_id = resume(cfg, manager, state, world)
+
+    pin = device.type == "cuda"
+    sampler = GlobalBatchSampler(batch_plan, cfg.seed, world.rank, progress.epoch,
+                                 progress.step_in_epoch)
+    train_loader = build_loader(train_set, sampler, cfg.data, pin)
+    val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
+                                                    world.rank, world.world_size),
+                              cfg.data, pin)
+    checkpoints = Checkpointing(manager, state, CheckpointSchedule(cfg)) if manager else None
+
+    tracker = build_tracker(cfg.logger, rank=world.rank)
+    with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:
+        info.mlflow_run_id = broadcast_object(run_id, world)  # every rank saves the same
+        metrics = fit(model, optimizer, scheduler, train_loader, val_loader, loop_plan,
+                      progress, checkpoints, tracker)
+        if checkpoints:
+            checkpoints.close()
+    if cfg.trainer.save_final_weights and world.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), run_dir / "model_final.pt")
     log.info("done in %.0fs: %s", time.perf_counter() - start,
@@ -122,25 +152,5 @@ def make_loop_plan(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device)
         log_every_steps=trainer.log_every_steps,
         grad_clip_norm=trainer.grad_clip_norm,
         label_smoothing=trainer.label_smoothing,
+        audit_ledger=cfg.audit.ledger,
     )
-
-
-def prepare_data_root(cfg: DataConfig) -> Path:
-    """The dataset root; the embedded shapes dataset is generated here on first use."""
-    root = Path(cfg.root)
-    if Path(cfg.root) != Path(cfg.synthetic.dir):
-        if not root.is_dir():
-            raise DatasetError(f"data.root {root} does not exist or is not a directory: "
-                               f"point data.root at a folder with train/ and val/ subfolders")
-        if not any(root.iterdir()):
-            raise DatasetError(f"data.root {root} is empty: expected train/<class>/*.jpg and "
-                               f"val/<class>/*.jpg under it")
-        return root
-    syn = cfg.synthetic
-    if not synthetic.is_complete(root, synthetic.manifest(syn.seed, syn.num_train, syn.num_val,
-                                                          syn.size)):
-        log.info("generating the shapes dataset at %s (first use)", root)
-        with task_progress("generating shapes", syn.num_train + syn.num_val) as update:
-            synthetic.generate(root, syn.num_train, syn.num_val, syn.size, syn.seed,
-                               progress=update)
-    return root

@@ -17,6 +17,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
+from data.errors import OnBadFile
+
 
 class Device(str, Enum):
     auto = "auto"
@@ -41,6 +43,18 @@ class SchedulerName(str, Enum):
     constant = "constant"
 
 
+class AsyncMode(str, Enum):
+    off = "off"  # synchronous dcp.save
+    thread = "thread"  # dcp.async_save in a background thread
+    process = "process"  # dcp.async_save in a background process
+
+
+class ResumeMode(str, Enum):
+    auto = "auto"  # resume when a complete checkpoint exists
+    required = "required"  # fail without one
+    never = "never"  # refuse to start where checkpoints exist
+
+
 class LoggerName(str, Enum):
     mlflow = "mlflow"
     none = "none"
@@ -58,6 +72,13 @@ DEFAULT_RUN_NAME_EXCLUDES = [
     "data.prefetch_factor",
     "data.cache_dir",
     "data.cache_limit_gb",
+    "data.prefetch_threads",
+    "data.prefetch_batches",
+    "data.read_retries",
+    "data.retry_backoff_seconds",
+    "data.reindex",
+    "audit",
+    "checkpoint",
     "logger",
     "run",
     "hydra",
@@ -76,6 +97,7 @@ class RunConfig:
 class ModelConfig:
     # Any torchvision classification model: torchvision.models.list_models(torchvision.models)
     name: str = "resnet18"
+    dropout: float = 0.0  # on the classifier's input (it draws from the global RNG)
 
 
 @dataclass
@@ -91,12 +113,21 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    root: str = "${.synthetic.dir}"
+    root: str = "${.synthetic.dir}"  # a folder (mounted volume) or an fsspec URL
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # The node cache on local disk, shared by all ranks and workers of a node; null = none.
+    cache_dir: Optional[str] = "${run.root}/${run.name}/data_cache"
+    cache_limit_gb: float = 50.0  # hard budget, 10^9 bytes; least recently used files go
+    on_bad_file: OnBadFile = OnBadFile.skip  # a corrupt/unreadable file: skip it, or fail
+    read_retries: int = 5  # per file, on transient volume errors, with exponential backoff
+    retry_backoff_seconds: float = 0.1
+    reindex: bool = False  # list the volume again instead of reusing the stored index
     global_batch_size: int = 128  # samples consumed by one optimizer step, over all ranks
     val_batch_size: int = 256
     num_workers: int = 2
-    prefetch_factor: int = 4
+    prefetch_factor: int = 4  # batches each worker decodes ahead
+    prefetch_threads: int = 16  # threads fetching upcoming files into the cache
+    prefetch_batches: int = 8  # how many batches ahead those threads fetch
     image_size: int = 64
     crop_scale_min: float = 0.35  # RandomResizedCrop's lower area bound
 
@@ -140,11 +171,34 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    # The durable tier: a mounted path or an fsspec URL. Default: inside the run directory.
+    dir: str = "${run.root}/${run.name}/checkpoints"
+    # The fast local tier (NVMe): DCP writes here, a background upload copies to `dir`.
+    # null = write straight to `dir` (right when `dir` is itself a local disk).
+    staging_dir: Optional[str] = None
+    interval_steps: int = 100
+    auto_interval: bool = False  # choose the interval by Young/Daly from the measured stall
+    mtbf_hours: float = 4.0  # mean time between failures of the whole job
+    keep_last: int = 3
+    async_mode: AsyncMode = AsyncMode.thread
+    resume: ResumeMode = ResumeMode.auto
+    commit_timeout_s: float = 600.0  # rank 0 waits this long for every rank's marker
+
+
+@dataclass
 class LoggerConfig:
     name: LoggerName = LoggerName.mlflow
     # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd).
     tracking_uri: Optional[str] = None
     experiment_name: str = "goodput-trainer"
+
+
+@dataclass
+class AuditConfig:
+    # One file for all ranks: a JSON line per optimizer step per rank (data/ledger.py).
+    ledger: Optional[str] = None
 
 
 @dataclass
@@ -157,7 +211,9 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
 
 def _matches(key: str, prefixes: List[str]) -> bool:

@@ -13,12 +13,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from data.dataset import normalize
+from data.ledger import open_ledger
+from data.loader import Batch
+from data.metrics import data_metrics, record_batches
+from train.checkpoint import Checkpointing
 from train.progress import StepProgress
+from train.state import Progress
 from train.tracking import NullTracker, describe
 
 log = logging.getLogger(__name__)
-
-Batch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # uint8 images, labels, indices
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class LoopPlan:
     log_every_steps: int
     grad_clip_norm: Optional[float] = None
     label_smoothing: float = 0.0
+    audit_ledger: Optional[str] = None  # audit.ledger: a JSON line per step per rank
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Window:
     start: float = field(default_factory=time.perf_counter)
     losses: List[torch.Tensor] = field(default_factory=list)
     fetch_seconds: List[float] = field(default_factory=list)
+    checkpoint_stall_seconds: float = 0.0
 
     def summary(self, lr: float, images: int) -> Dict[str, float]:
         fetch = torch.tensor(self.fetch_seconds, dtype=torch.float64)
@@ -51,31 +56,48 @@ class Window:
             "train/images_per_second": images / (time.perf_counter() - self.start),
             "data/fetch_seconds": fetch.mean().item(),
             "data/fetch_seconds_p99": torch.quantile(fetch, 0.99).item(),
+            "checkpoint/stall_seconds": self.checkpoint_stall_seconds,
         }
 
 
 def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler, train_loader: torch.utils.data.DataLoader,
-        val_loader: torch.utils.data.DataLoader, plan: LoopPlan,
+        val_loader: torch.utils.data.DataLoader, plan: LoopPlan, position: Progress,
+        checkpoints: Optional[Checkpointing] = None,
         tracker: NullTracker = NullTracker()) -> Dict[str, float]:
-    """Train for `plan.total_steps` optimizer steps; returns the last metrics of each kind."""
+    """Train from `position` to `plan.total_steps` optimizer steps; returns the last metrics
+    of each kind."""
     last: Dict[str, float] = {}
     batches = iter(train_loader)
     start = time.perf_counter()
     window = Window()
-    with StepProgress(plan.total_steps) as progress:
-        for step in range(1, plan.total_steps + 1):
+    ledger = open_ledger(plan.audit_ledger)
+    first_step = position.step + 1
+    with StepProgress(plan.total_steps, position.step) as progress:
+        for step in range(first_step, plan.total_steps + 1):
             micro_batches = fetch_global_batch(batches, plan.grad_accum_steps, window)
-            if step == 1:
+            record_batches(train_loader, micro_batches)
+            if step == first_step:
                 last["data/first_batch_seconds"] = time.perf_counter() - start
                 tracker.log_metrics({"data/first_batch_seconds": last["data/first_batch_seconds"]}, 0)
-            window.losses.append(train_step(model, optimizer, micro_batches, plan))
+            loss = train_step(model, optimizer, micro_batches, plan)
+            window.losses.append(loss)
+            if ledger:
+                ledger.record(step, (step - 1) // plan.steps_per_epoch,
+                              torch.cat([b.indices for b in micro_batches]).tolist(), loss.item())
             scheduler.step()
+            position.advance(plan.steps_per_epoch)
+
+            if checkpoints and checkpoints.due(step, final=step == plan.total_steps):
+                window.checkpoint_stall_seconds += checkpoints.save(step)
 
             if step % plan.log_every_steps == 0 or step == plan.total_steps:
                 steps_in_window = len(window.losses)
                 metrics = window.summary(scheduler.get_last_lr()[0],
                                          steps_in_window * plan.global_batch_size)
+                metrics.update(data_metrics(train_loader))
+                if checkpoints:
+                    metrics.update(checkpoints.metrics())
                 tracker.log_metrics(metrics, step)
                 progress.update(step, metrics)
                 last.update(metrics)
@@ -108,7 +130,7 @@ def autocast(plan: LoopPlan):
 
 
 def to_device(batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    images, labels, _ = batch
+    images, labels = batch.images, batch.labels
     images = normalize(images.to(device, non_blocking=True))
     if device.type == "cuda":
         images = images.contiguous(memory_format=torch.channels_last)
@@ -121,6 +143,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     model.train()
     total = torch.zeros((), device=plan.device)
     for batch in micro_batches:
+        if len(batch.labels) == 0:
+            continue  # every sample of this micro-batch was a skipped bad file
         images, labels = to_device(batch, plan.device)
         with autocast(plan):
             logits = model(images)
@@ -141,6 +165,8 @@ def evaluate(model: torch.nn.Module, loader: torch.utils.data.DataLoader,
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=plan.device)  # loss, correct, count
     for batch in loader:
+        if len(batch.labels) == 0:
+            continue  # only skipped bad files
         images, labels = to_device(batch, plan.device)
         with autocast(plan):
             logits = model(images).float()

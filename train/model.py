@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 
 import torch
+import torch.nn.functional as F
 import torchvision
 
 from train.config import ModelConfig
@@ -24,4 +25,15 @@ def build_model(cfg: ModelConfig, num_classes: int) -> torch.nn.Module:
             f"unknown model.name '{cfg.name}'{hint}: valid names are listed by "
             f"python -c 'import torchvision; print(torchvision.models.list_models("
             f"torchvision.models))'")
-    return torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes)
+    model = torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes)
+    if cfg.dropout > 0:
+        add_head_dropout(model, cfg.dropout)
+    return model
+
+
+def add_head_dropout(model: torch.nn.Module, p: float) -> None:
+    """Dropout on the input of the last linear layer, as a hook: the state dict keeps the
+    torchvision layout, so exported weights load into the stock model."""
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    head.register_forward_pre_hook(
+        lambda module, args: (F.dropout(args[0], p, module.training),))

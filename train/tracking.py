@@ -28,8 +28,9 @@ class NullTracker:
     """Logs nothing: `logger=none`, and every rank but 0."""
 
     @contextmanager
-    def run(self, run_name: str, config: DictConfig) -> Iterator[None]:
-        yield
+    def run(self, run_name: str, config: DictConfig,
+            resume_run_id: Optional[str] = None) -> Iterator[Optional[str]]:
+        yield resume_run_id
 
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         pass
@@ -45,19 +46,42 @@ class MLflowTracker:
         self.experiment_name = cfg.experiment_name
 
     @contextmanager
-    def run(self, run_name: str, config: DictConfig) -> Iterator[None]:
+    def run(self, run_name: str, config: DictConfig,
+            resume_run_id: Optional[str] = None) -> Iterator[Optional[str]]:
+        """Start (or, after a resume, reopen) the MLflow run; yields its id.
+
+        MLflow params are immutable, so a resumed run records the config it resumed with
+        as tags (`resume.<key>` for each value that differs from the logged params).
+        """
         mlflow = self.mlflow
         mlflow.set_experiment(self.experiment_name)
+        params = flatten(OmegaConf.to_container(config, resolve=True))
+        if resume_run_id and not self._exists(resume_run_id):
+            log.warning("MLflow run %s is not in %s: starting a new one", resume_run_id,
+                        mlflow.get_tracking_uri())
+            resume_run_id = None
         # The run ends FAILED (or KILLED) by itself if the body raises.
-        with mlflow.start_run(run_name=run_name) as active:
+        with mlflow.start_run(run_id=resume_run_id,
+                              run_name=None if resume_run_id else run_name) as active:
             log.info("MLflow run %s (%s) at %s", run_name, active.info.run_id,
                      mlflow.get_tracking_uri())
-            params = flatten(OmegaConf.to_container(config, resolve=True))
-            items = sorted(params.items())
-            for i in range(0, len(items), MAX_PARAMS_PER_CALL):
-                mlflow.log_params(dict(items[i:i + MAX_PARAMS_PER_CALL]))
-            mlflow.log_text(OmegaConf.to_yaml(config, resolve=True), "config.yaml")
-            yield
+            if resume_run_id:
+                logged = active.data.params
+                changed = {f"resume.{k}": v for k, v in params.items() if logged.get(k) != v}
+                mlflow.set_tags({"resumed": "true", **changed})
+            else:
+                items = sorted(params.items())
+                for i in range(0, len(items), MAX_PARAMS_PER_CALL):
+                    mlflow.log_params(dict(items[i:i + MAX_PARAMS_PER_CALL]))
+                mlflow.log_text(OmegaConf.to_yaml(config, resolve=True), "config.yaml")
+            yield active.info.run_id
+
+    def _exists(self, run_id: str) -> bool:
+        try:
+            self.mlflow.get_run(run_id)
+            return True
+        except self.mlflow.exceptions.MlflowException:
+            return False
 
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         self.mlflow.log_metrics(metrics, step=step)

@@ -1,0 +1,141 @@
+"""The commit protocol: what makes a checkpoint directory *complete*, and finding the newest.
+
+Layout under `checkpoint.dir`:
+
+    step_000000100/                   a committed checkpoint (only ever by rename)
+        .metadata  __0_0.distcp ...   DCP's files
+        commit_rank_0.json ...        one marker per rank: its files, sizes and sha256
+    .step_000000200.partial-<id>/     an attempt in progress, or left by a crash
+
+Each rank writes its marker only after its own files are durable; rank 0 renames the
+partial directory to `step_X` once every rank's marker is there. A checkpoint is complete
+when `.metadata` and a marker for every rank are present and every file verifies, so a crash
+at any instant leaves the older checkpoints as they were, and nothing half-written is ever
+named `step_X`. "Newest" is the highest parsed step, never a file time or string order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from checkpointing.safe_load import METADATA_FILE, UnsafeCheckpointError, load_metadata
+from checkpointing.storage import Store
+
+STEP_DIR = re.compile(r"^step_(\d{9})$")
+PARTIAL_DIR = re.compile(r"^\.step_(\d{9})\.(partial|replaced)-[\w.-]+$")
+MARKER = re.compile(r"^commit_rank_(\d+)\.json$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def partial_dir_name(step: int, attempt: str) -> str:
+    return f".{step_dir_name(step)}.partial-{attempt}"
+
+
+def marker_name(rank: int) -> str:
+    return f"commit_rank_{rank}.json"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    sha256: str
+
+
+def write_marker(store: Store, directory: str, step: int, rank: int, world_size: int,
+                 files: Dict[str, FileRecord]) -> None:
+    body = {"step": step, "rank": rank, "world_size": world_size,
+            "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in files.items()}}
+    store.write_bytes(store.path(directory, marker_name(rank)),
+                      json.dumps(body, indent=1, sort_keys=True).encode())
+
+
+def markers_present(store: Store, directory: str) -> List[int]:
+    return sorted(int(m.group(1)) for n in store.listdir(store.path(directory))
+                  if (m := MARKER.match(n)))
+
+
+class Incomplete(Exception):
+    """Why a checkpoint directory is not complete (one line)."""
+
+
+def verify(store: Store, directory: str, step: int, checksums: bool = True) -> int:
+    """Raise `Incomplete` unless `directory` is a complete checkpoint of `step`.
+
+    Returns the world size it was saved at. With `checksums=False` only presence and sizes
+    are checked (for a second copy of a checkpoint that was already fully verified).
+    """
+    names = set(store.listdir(store.path(directory)))
+    if METADATA_FILE not in names:
+        raise Incomplete(f"{METADATA_FILE} is missing")
+    ranks = sorted(int(m.group(1)) for n in names if (m := MARKER.match(n)))
+    if not ranks:
+        raise Incomplete("no commit marker")
+    listed: Dict[str, FileRecord] = {}
+    world_size: Optional[int] = None
+    for rank in ranks:
+        try:
+            body = json.loads(store.read_bytes(store.path(directory, marker_name(rank))))
+            files = {n: FileRecord(int(f["size"]), str(f["sha256"]))
+                     for n, f in body["files"].items()}
+            marker_step, marker_world = int(body["step"]), int(body["world_size"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise Incomplete(f"{marker_name(rank)} is unreadable ({err})") from None
+        if marker_step != step:
+            raise Incomplete(f"{marker_name(rank)} belongs to step {marker_step}")
+        if world_size not in (None, marker_world):
+            raise Incomplete("commit markers disagree on the world size")
+        world_size = marker_world
+        listed.update(files)
+    assert world_size is not None
+    missing_ranks = sorted(set(range(world_size)) - set(ranks))
+    if missing_ranks:
+        raise Incomplete(f"commit marker of rank(s) {missing_ranks} missing")
+    for name, record in sorted(listed.items()):
+        path = store.path(directory, name)
+        if name not in names:
+            raise Incomplete(f"{name} is missing")
+        size = store.size(path)
+        if size != record.size:
+            raise Incomplete(f"{name} is {size} bytes, its marker says {record.size}")
+        if checksums and store.sha256(path) != record.sha256:
+            raise Incomplete(f"{name} does not match its checksum (altered or swapped)")
+    try:
+        with store.fs.open(store.path(directory, METADATA_FILE), "rb") as f:
+            metadata = load_metadata(f)
+    except UnsafeCheckpointError as err:
+        raise Incomplete(f"{METADATA_FILE} is unsafe: {err}") from None
+    except Exception as err:  # any unpickling failure means the file is damaged
+        raise Incomplete(f"{METADATA_FILE} is unreadable ({type(err).__name__})") from None
+    needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    unlisted = sorted(needed - set(listed))
+    if unlisted:
+        raise Incomplete(f"{unlisted[0]} is used by {METADATA_FILE} but no marker lists it")
+    return world_size
+
+
+def committed_steps(store: Store) -> List[int]:
+    """Steps that have a `step_X` directory, newest first (complete or not)."""
+    return sorted((int(m.group(1)) for n in store.listdir() if (m := STEP_DIR.match(n))),
+                  reverse=True)
+
+
+def find_complete(store: Store, log=None) -> Iterator[Tuple[int, int]]:
+    """(step, world size) of each complete checkpoint, newest first, verifying as it goes.
+
+    A directory that fails verification is skipped with one log line saying why.
+    """
+    for step in committed_steps(store):
+        try:
+            world_size = verify(store, step_dir_name(step), step)
+        except Incomplete as why:
+            if log:
+                log.warning("checkpoint %s is incomplete (%s): skipping it",
+                            store.path(step_dir_name(step)), why)
+            continue
+        yield step, world_size

@@ -1,0 +1,156 @@
+"""`python -m checkpointing.export CKPT OUT`: a checkpoint's model as a plain state dict.
+
+CKPT is one `step_X` directory, or a `checkpoint.dir` (then its newest complete step is
+used: highest parsed step that verifies, never file times). OUT is written with `torch.save`
+(or as safetensors when it ends in `.safetensors`) and holds exactly the keys of the
+model's own `state_dict()`, so `torchvision.models.get_model(name, num_classes=...)
+.load_state_dict(torch.load(OUT), strict=True)` accepts it.
+
+The checkpoint is verified against its commit markers first (an incomplete or altered one
+is refused), and loading never executes code from it: `.metadata` goes through the
+restricted unpickler and the tensors are read into tensors allocated here.
+
+    $ python -m checkpointing.export outputs/resnet/checkpoints resnet18.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from checkpointing import commit
+from checkpointing.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_metadata
+from checkpointing.storage import Store
+
+MODEL_KEY = "model"
+
+log = logging.getLogger("checkpointing.export")
+
+
+class ExportError(Exception):
+    """Why a checkpoint cannot be exported (one line)."""
+
+
+def locate(ckpt: str) -> Tuple[Store, str, int]:
+    """(store, step directory name, step) of the checkpoint CKPT names, verified."""
+    store = Store(ckpt)
+    if not store.fs.isdir(store.root):
+        raise FileNotFoundError(f"{ckpt} is not a directory")
+    name = os.path.basename(store.root.rstrip("/"))
+    if m := commit.STEP_DIR.match(name):
+        parent = (os.path.dirname(store.root) if store.is_local
+                  else ckpt.rstrip("/").rpartition("/")[0])
+        store, step = Store(parent), int(m.group(1))
+        try:
+            commit.verify(store, name, step)
+        except commit.Incomplete as why:
+            raise ExportError(f"{ckpt} is incomplete: {why}") from None
+        return store, name, step
+    newest = next(commit.find_complete(store, log), None)
+    if newest is None:
+        raise ExportError(f"{ckpt} holds no complete checkpoint (step_* directories that "
+                          f"verify)")
+    return store, commit.step_dir_name(newest[0]), newest[0]
+
+
+def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
+    """The `model` entries of a local DCP checkpoint, without its prefix."""
+    with open(checkpoint_dir / ".metadata", "rb") as f:
+        metadata = load_metadata(f)
+    prefix = MODEL_KEY + "."
+    entries = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    if not entries:
+        raise ExportError(f"{checkpoint_dir} holds no '{MODEL_KEY}' state")
+    not_tensors = sorted(k for k, v in entries.items()
+                         if not isinstance(v, TensorStorageMetadata))
+    if not_tensors:
+        raise ExportError(f"{not_tensors[0]} is not a tensor: not a model state dict")
+    # Flat keys: DCP matches them to the saved fully qualified names directly. The rest of
+    # the checkpoint (optimizer, RNG, ...) is simply not requested, so never read.
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
+    try:
+        with warnings.catch_warnings():
+            # Loading in one process without a process group is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)),
+                     planner=SafeLoadPlanner(), no_dist=True)
+    except CheckpointException as err:
+        raise ExportError(f"loading {checkpoint_dir} failed: {str(err).splitlines()[0]}") \
+            from None
+    return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def write(state: Dict[str, torch.Tensor], out: Path, step: int) -> None:
+    """Whole or not at all: a failed export never leaves a truncated OUT behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
+            save_file(state, str(tmp), metadata={"format": "pt", "step": str(step)})
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export(ckpt: str, out: Path) -> Tuple[str, int]:
+    """Export the model of CKPT to OUT; returns (the step directory used, its step)."""
+    store, name, step = locate(ckpt)
+    if store.is_local:
+        state = load_model_state(Path(store.path(name)))
+    else:
+        # DCP's reader is for local files: fetch the step, and re-verify the copy so what
+        # is loaded is what was checked.
+        with tempfile.TemporaryDirectory(prefix="goodput-export-") as tmp:
+            store.fs.get(store.path(name), os.path.join(tmp, name), recursive=True)
+            try:
+                commit.verify(Store(tmp), name, step)
+            except commit.Incomplete as why:
+                raise ExportError(f"the downloaded copy of {name} is incomplete: {why}") \
+                    from None
+            state = load_model_state(Path(tmp, name))
+    write(state, out, step)
+    return store.path(name), step
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m checkpointing.export",
+        description="Write a checkpoint's model as a plain state dict that "
+                    "torchvision.models.get_model(name, num_classes=N).load_state_dict "
+                    "accepts. The checkpoint is verified first; nothing in it is executed.")
+    parser.add_argument("ckpt", metavar="CKPT",
+                        help="a step_X checkpoint directory, or a checkpoint.dir (then the "
+                             "newest complete step is used); a path or an fsspec URL")
+    parser.add_argument("out", metavar="OUT", type=Path,
+                        help="the file to write: torch.save format, or safetensors when it "
+                             "ends in .safetensors")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        source, step = export(args.ckpt, args.out)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"exported the model of {source} (step {step}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

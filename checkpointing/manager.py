@@ -1,0 +1,298 @@
+"""CheckpointManager: `save(step, state)`, `wait()`, `load_latest(state)`.
+
+A save blocks the training loop only while DCP stages the state (a deep copy into CPU
+memory, so parameters, BatchNorm buffers and optimizer state mutated right after `save`
+returns do not leak in). Writing, the upload from the local staging tier, the per-rank commit
+markers, the rename to `step_X` and retention run in the background, one save at a time.
+See `checkpointing.commit` for what "complete" means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from checkpointing import commit
+from checkpointing.commit import FileRecord
+from checkpointing.safe_load import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner
+from checkpointing.storage import CHUNK, Store
+
+log = logging.getLogger(__name__)
+
+ASYNC_MODES = ("off", "thread", "process")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    dir: str  # the durable tier: a mounted path or an fsspec URL
+    staging_dir: Optional[str] = None  # local NVMe tier; None = write straight to `dir`
+    async_mode: str = "thread"
+    keep_last: int = 3
+    commit_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.async_mode not in ASYNC_MODES:
+            raise ValueError(f"checkpoint.async_mode={self.async_mode!r}: use one of "
+                             f"{', '.join(ASYNC_MODES)}")
+        if self.keep_last < 2:
+            raise ValueError(f"checkpoint.keep_last={self.keep_last}: keep at least 2, so a "
+                             f"checkpoint damaged after its commit still has a fallback")
+
+
+def _hash_file(path: Path) -> FileRecord:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return FileRecord(path.stat().st_size, digest.hexdigest())
+
+
+class CheckpointManager:
+    def __init__(self, options: CheckpointOptions, rank: int = 0, world_size: int = 1,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 fault_hook: Callable[[str, int], None] = lambda phase, step: None) -> None:
+        self.options, self.rank, self.world_size = options, rank, world_size
+        self.group = process_group
+        self.fault_hook = fault_hook  # tests and demos inject crashes at named phases
+        self.remote = Store(options.dir)
+        staging = options.staging_dir
+        if staging is None and not self.remote.is_local:
+            staging = tempfile.mkdtemp(prefix="goodput-staging-")
+        self.staging = Path(staging).resolve() if staging else None
+        self.attempt = self._agree_on_attempt_id()
+        self._pending: Optional[threading.Thread] = None
+        self._pending_error: Optional[BaseException] = None
+        self._pending_step = -1
+        self.last_complete_step: Optional[int] = None
+        self.last_loaded_world_size: Optional[int] = None
+        self.failed_saves = 0
+        self.last_stall_seconds = 0.0  # how long the last save blocked the caller
+        self.last_save_seconds = 0.0  # how long the last save took to commit
+
+    # ---- collectives (a dedicated group, so they never interleave with training's) ----
+
+    def _broadcast(self, obj: Any) -> Any:
+        if self.group is None or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _all_true(self, flag: bool) -> bool:
+        if self.group is None or self.world_size == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def _agree_on_attempt_id(self) -> str:
+        return self._broadcast(f"{int(time.time())}-{uuid.uuid4().hex[:8]}")
+
+    def _dcp_kwargs(self) -> Dict[str, Any]:
+        if self.group is None:
+            return {"no_dist": True}
+        return {"process_group": self.group}
+
+    # ---- save ----
+
+    def save(self, step: int, state: Dict[str, Any]) -> None:
+        """Snapshot `state` (Stateful objects and tensors) as checkpoint `step`.
+
+        Returns once the snapshot is staged; the rest happens in the background.
+        """
+        self.wait()
+        start = time.perf_counter()
+        partial = commit.partial_dir_name(step, self.attempt)
+        target = (self.staging / partial) if self.staging else Path(self.remote.path(partial))
+        target.mkdir(parents=True, exist_ok=True)
+        # On CUDA, staging reuses one pinned host buffer across saves (fast device-to-host
+        # copies); that is safe because at most one save is in flight.
+        writer = FileSystemWriter(str(target), sync_files=True,
+                                  cache_staged_state_dict=torch.cuda.is_available())
+        planner = DefaultSavePlanner()
+        if self.options.async_mode == "off":
+            dcp.save(state, storage_writer=writer, planner=planner, **self._dcp_kwargs())
+            self.last_stall_seconds = time.perf_counter() - start
+            self._commit(step, target, start)
+            return
+        kind = (AsyncCheckpointerType.PROCESS if self.options.async_mode == "process"
+                else AsyncCheckpointerType.THREAD)
+        future = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                async_checkpointer_type=kind, **self._dcp_kwargs())
+        self.last_stall_seconds = time.perf_counter() - start
+        self._pending_step = step
+        self._pending = threading.Thread(target=self._finish_in_background,
+                                         args=(future, step, target, start),
+                                         name=f"checkpoint-{step}", daemon=True)
+        self._pending.start()
+
+    def _finish_in_background(self, future: Future, step: int, target: Path,
+                              start: float) -> None:
+        try:
+            future.result()
+            self._commit(step, target, start)
+        except BaseException as err:  # reported by wait(); never silently lost
+            self._pending_error = err
+
+    def _commit(self, step: int, target: Path, start: float) -> None:
+        """Upload this rank's files, write its marker; rank 0 renames once all are in."""
+        self.fault_hook("written", step)
+        partial = commit.partial_dir_name(step, self.attempt)
+        mine = sorted(p for p in target.iterdir()
+                      if p.name.startswith(f"__{self.rank}_") and p.suffix == ".distcp")
+        if self.rank == 0:
+            mine.append(target / METADATA_FILE)
+        records = {p.name: _hash_file(p) for p in mine}
+        remote_partial = self.remote.path(partial)
+        if self.staging:
+            self.remote.makedirs(remote_partial)
+            for p in mine:
+                self.remote.put(p, self.remote.path(partial, p.name))
+                self.fault_hook("uploading", step)
+            commit.write_marker(Store(str(self.staging)), partial, step, self.rank,
+                                self.world_size, records)
+        self.fault_hook("uploaded", step)
+        commit.write_marker(self.remote, partial, step, self.rank, self.world_size, records)
+        if self.rank == 0:
+            self._wait_for_markers(partial, step)
+            self.fault_hook("committing", step)
+            self._rename_into_place(self.remote, partial, step)
+            if self.staging:
+                self._rename_into_place(Store(str(self.staging)), partial, step)
+            self.apply_retention(step)
+        self.last_complete_step = step
+        self.last_save_seconds = time.perf_counter() - start
+
+    def _wait_for_markers(self, partial: str, step: int) -> None:
+        deadline = time.monotonic() + self.options.commit_timeout_s
+        while len(commit.markers_present(self.remote, partial)) < self.world_size:
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"checkpoint step {step}: not every rank committed within "
+                    f"{self.options.commit_timeout_s:.0f}s; it stays partial and is ignored")
+            time.sleep(0.05)
+
+    def _rename_into_place(self, store: Store, partial: str, step: int) -> None:
+        final = commit.step_dir_name(step)
+        if store.exists(store.path(final)):
+            # A step_X that failed verification earlier (we resumed from an older one):
+            # move it aside so the name only ever holds a complete checkpoint.
+            store.rename(store.path(final), store.path(f".{final}.replaced-{self.attempt}"))
+        store.rename(store.path(partial), store.path(final))
+
+    def wait(self) -> bool:
+        """Block until the in-flight save (if any) is committed. False if it failed."""
+        if self._pending is None:
+            return True
+        self._pending.join()
+        self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is None:
+            return True
+        self.failed_saves += 1
+        log.error("checkpoint at step %d failed: %s: %s (the newest complete one is %s)",
+                  self._pending_step, type(error).__name__, error,
+                  self.last_complete_step if self.last_complete_step is not None else "none")
+        return False
+
+    def close(self) -> None:
+        """Wait for the last save; raise if it failed (a run must end on a checkpoint)."""
+        if not self.wait():
+            raise CheckpointError(f"the final checkpoint (step {self._pending_step}) failed; "
+                                  f"see the error above")
+
+    # ---- retention ----
+
+    def apply_retention(self, newest: int) -> None:
+        """Keep the newest `keep_last` complete checkpoints; drop older ones and leftovers.
+
+        Runs only after `newest` is complete, so a failed save can never push out the last
+        good checkpoint. Completeness here is checked by presence and size (checksums are
+        for loading).
+        """
+        for store in [self.remote] + ([Store(str(self.staging))] if self.staging else []):
+            kept = 0
+            for step in commit.committed_steps(store):
+                try:
+                    commit.verify(store, commit.step_dir_name(step), step, checksums=False)
+                    complete = True
+                except commit.Incomplete:
+                    complete = False
+                if complete and step <= newest and kept < self.options.keep_last:
+                    kept += 1
+                elif step < newest or not complete:
+                    store.remove(store.path(commit.step_dir_name(step)))
+            for name in store.listdir():
+                if commit.PARTIAL_DIR.match(name):
+                    store.remove(store.path(name))
+
+    # ---- load ----
+
+    def load_latest(self, state: Dict[str, Any],
+                    optional_keys: Callable[[int], List[str]] = lambda world: []
+                    ) -> Optional[int]:
+        """Load the newest complete checkpoint into `state`; its step, or None if none.
+
+        Every rank loads the same step: rank 0 picks it after verifying checksums. One that
+        still fails to load (e.g. a re-signed hostile pickle) is skipped like an incomplete
+        one. `optional_keys(saved_world_size)` names top-level keys to leave out of the load
+        (e.g. per-rank RNG when the world size changed).
+        """
+        candidates = commit.find_complete(self.remote, log) if self.rank == 0 else iter(())
+        while True:
+            choice = self._broadcast(next(candidates, None))
+            if choice is None:
+                return None
+            step, saved_world = choice
+            source = self._load_source(step)
+            skip = set(optional_keys(saved_world))
+            start = time.perf_counter()
+            try:
+                dcp.load({k: v for k, v in state.items() if k not in skip},
+                         storage_reader=SafeFileSystemReader(source),
+                         planner=SafeLoadPlanner(), **self._dcp_kwargs())
+            except CheckpointException as err:
+                failure = next(iter(err.failures.values()))
+                cause = str(getattr(failure, "exception", failure)).splitlines()[0]
+                log.warning("checkpoint %s failed to load (%s): skipping it", source, cause)
+                continue
+            log.info("resumed from %s (step %d, saved at world size %d) in %.1fs", source,
+                     step, saved_world, time.perf_counter() - start)
+            self.last_complete_step, self.last_loaded_world_size = step, saved_world
+            return step
+
+    def _load_source(self, step: int) -> str:
+        """The local tier when every rank holds the complete step there, else the remote."""
+        name = commit.step_dir_name(step)
+        local_ok = False
+        if self.staging and (self.staging / name).is_dir():
+            try:
+                commit.verify(Store(str(self.staging)), name, step, checksums=False)
+                local_ok = True
+            except commit.Incomplete:
+                pass
+        return str(self.staging / name) if self._all_true(local_ok) else self.remote.path(name)
+
+    def has_any_checkpoint(self) -> bool:
+        return bool(commit.committed_steps(self.remote))

@@ -1,0 +1,103 @@
+"""Where checkpoints live: a local or mounted path, or any fsspec URL (s3://, gs://, ...).
+
+Local paths get the durability the commit protocol relies on: files are fsynced, small files
+are written by temp + rename, and a rename is followed by an fsync of the parent directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import List
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+CHUNK = 4 << 20
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some FUSE mounts do not implement fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str | None = None) -> List[str]:
+        """Entry names (not paths) under `path` (default: the root); [] when it is missing."""
+        path = path or self.root
+        try:
+            return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def sha256(self, path: str) -> str:
+        digest = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Whole or not at all: a reader never sees half of it."""
+        if not self.is_local:
+            self.fs.pipe_file(path, data)  # object stores commit a PUT atomically
+            return
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+
+    def put(self, local_file: Path, path: str) -> None:
+        """Copy a local file in (the upload from the staging tier)."""
+        if not self.is_local:
+            self.fs.put_file(str(local_file), path)
+            return
+        with open(local_file, "rb") as src, open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst, CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.is_local:
+            os.rename(src, dst)
+            _fsync_dir(os.path.dirname(dst))
+        else:
+            self.fs.mv(src, dst, recursive=True)
+
+    def remove(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,277 @@
+"""A node-wide file cache on local disk, shared by every rank and worker process of a node.
+
+Layout under `cache_dir`:
+
+    objects/<k[:2]>/<k>   cached files: the payload, then a footer (magic, length, crc32)
+    locks/<k[:3]>         fetch locks (4096 stripes), so one process fetches, others wait
+    state.lock, usage     the byte ledger of everything in objects/, guarded by flock
+
+The bookkeeping lives on disk because the readers are separate processes. A file is fetched
+from the volume at most once per node: a reader that misses takes the key's lock, looks
+again, and only then fetches. A fill is a write to a temporary name and a rename, and every
+read checks the footer, so a partial or corrupt file is never served (it is dropped and
+fetched again). `limit_bytes` is a hard budget: space is reserved in the ledger before a
+file is written, evicting least-recently-used files (by mtime, which each hit refreshes).
+When the disk itself is full, the cache evicts, retries once, then reads through.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import struct
+import threading
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Set, Tuple
+
+log = logging.getLogger(__name__)
+
+FOOTER = struct.Struct("<8sQI")  # magic, payload length, crc32 of the payload
+MAGIC = b"GPCACHE1"
+LOW_WATERMARK = 0.9  # eviction frees down to this fraction of the limit, to amortize scans
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """How one read was served: from the cache (`hit`), and how many bytes came off the
+    volume."""
+
+    hit: bool
+    volume_bytes: int
+
+
+def cache_key(url: str, size: int) -> str:
+    # The size is part of the key, so a file replaced on the volume is not served stale.
+    return hashlib.sha1(f"{url}\0{size}".encode()).hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class NodeCache:
+    """Safe to pickle into DataLoader workers: all shared state is on disk."""
+
+    def __init__(self, root: Path, limit_bytes: int) -> None:
+        self.root, self.limit_bytes = Path(root), int(limit_bytes)
+        self._warned: Set[str] = set()
+        for sub in ("objects", "locks"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.reconcile()
+
+    def __getstate__(self) -> dict:
+        return {"root": self.root, "limit_bytes": self.limit_bytes, "_warned": set()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def get(self, key: str, fetch: Callable[[], bytes]) -> Tuple[bytes, Lookup]:
+        """The bytes for `key`: from the cache, else from `fetch()` (once per node)."""
+        path = self._object(key)
+        data = self._read_valid(path)
+        if data is not None:
+            return data, Lookup(True, 0)
+        with self._flock(self._stripe(key)):
+            data = self._read_valid(path)  # another process may have fetched it meanwhile
+            if data is not None:
+                return data, Lookup(True, 0)
+            data = fetch()
+            self._store(path, data)
+        return data, Lookup(False, len(data))
+
+    def ensure(self, key: str, fetch: Callable[[], bytes]) -> int:
+        """Make sure `key` is cached (for prefetching); returns the bytes read from the
+        volume."""
+        if self._object(key).exists():
+            return 0
+        with self._flock(self._stripe(key)):
+            path = self._object(key)
+            if path.exists():
+                return 0
+            data = fetch()
+            self._store(path, data)
+        return len(data)
+
+    def _read_valid(self, path: Path) -> Optional[bytes]:
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        if len(blob) >= FOOTER.size:
+            magic, length, crc = FOOTER.unpack_from(blob, len(blob) - FOOTER.size)
+            payload = blob[:-FOOTER.size]
+            if magic == MAGIC and length == len(payload) and zlib.crc32(payload) == crc:
+                try:
+                    os.utime(path)  # the LRU clock
+                except FileNotFoundError:
+                    pass  # evicted while we read; the bytes we hold are still good
+                return payload
+        log.warning("cache file %s is truncated or corrupt: dropping it and fetching again",
+                    path)
+        with self._flock(self.root / "state.lock"):
+            path.unlink(missing_ok=True)
+            self._recount()  # its booked size is unknown now that the file is damaged
+        return None
+
+    # ---- writing and the byte budget ----------------------------------------------------
+
+    def _store(self, path: Path, payload: bytes) -> None:
+        size = len(payload) + FOOTER.size
+        if size > self.limit_bytes:
+            return  # larger than the whole budget: read through
+        for _ in range(2):
+            # The temporary name carries the booked size, so a recount can see reservations.
+            tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{size}-"
+                                 f"{path.name}")
+            if not self._reserve(size, tmp):
+                return  # the budget is taken by other processes' fills in flight
+            try:
+                with open(tmp, "r+b") as f:
+                    f.write(payload)
+                    f.write(FOOTER.pack(MAGIC, len(payload), zlib.crc32(payload)))
+                os.replace(tmp, path)
+                return
+            except OSError as err:
+                with self._flock(self.root / "state.lock"):
+                    tmp.unlink(missing_ok=True)
+                    self._add_usage(-size)
+                    if err.errno != errno.ENOSPC:
+                        raise
+                    self._warn_once("cache disk at %s is full before data.cache_limit_gb is "
+                                    "reached: evicting least-recently-used files; set "
+                                    "data.cache_limit_gb below the disk's free space")
+                    self._evict(max(4 * size, self._usage() // 10))
+        self._warn_once("cache disk at %s is full even after eviction: reading from the "
+                        "volume without caching; free disk space or lower data.cache_limit_gb")
+
+    def _warn_once(self, message: str) -> None:
+        # Once per process: a full disk would otherwise log on every sample.
+        if message not in self._warned:
+            self._warned.add(message)
+            log.warning(message, self.root)
+
+    def _reserve(self, size: int, tmp: Path) -> bool:
+        """Book `size` bytes and create the (empty) fill file `tmp`, in one step under the
+        lock; False when the bytes do not fit even after eviction."""
+        with self._flock(self.root / "state.lock"):
+            if self._usage() + size > self.limit_bytes:
+                self._evict(self._usage() + size - int(self.limit_bytes * LOW_WATERMARK))
+            if self._usage() + size > self.limit_bytes:
+                return False
+            tmp.parent.mkdir(exist_ok=True)
+            tmp.touch()
+            self._add_usage(size)
+            return True
+
+    def _evict(self, need: int) -> None:
+        """Delete least-recently-used objects until `need` bytes are free (lock held)."""
+        entries = sorted(self._scan(), key=lambda e: e[0])
+        chosen: List[Path] = []
+        freed = 0
+        for _, size, path in entries:
+            if freed >= need:
+                break
+            chosen.append(path)
+            freed += size
+        self._remove(chosen)
+
+    def _remove(self, paths: List[Path]) -> None:
+        """Unlink cached files and take them off the ledger (lock held)."""
+        for path in paths:
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue  # someone else removed it and its bytes
+            self._add_usage(-size)
+
+    def _entries(self) -> Iterator[os.DirEntry]:
+        for sub in os.scandir(self.root / "objects"):
+            if sub.is_dir():
+                yield from os.scandir(sub.path)
+
+    def _scan(self) -> Iterator[Tuple[float, int, Path]]:
+        """(mtime, size, path) of every finished object."""
+        for entry in self._entries():
+            if entry.name.startswith(".tmp-"):
+                continue
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            yield st.st_mtime, st.st_size, Path(entry.path)
+
+    def _recount(self) -> None:
+        """Set the ledger to the finished objects plus the live fills' reservations, and
+        delete fills whose process died (lock held)."""
+        total = sum(size for _, size, _ in self._scan())
+        for entry in self._entries():
+            if entry.name.startswith(".tmp-"):
+                _, pid, _, size, _ = entry.name.split("-", 4)
+                if _pid_alive(int(pid)):
+                    total += int(size)
+                else:
+                    Path(entry.path).unlink(missing_ok=True)
+        self._write_usage(total)
+
+    def reconcile(self) -> None:
+        """Recount the ledger from disk. Run once per process start: a crash between a
+        reservation and its fill would otherwise leak budget forever."""
+        with self._flock(self.root / "state.lock"):
+            self._recount()
+
+    def usage_bytes(self) -> int:
+        with self._flock(self.root / "state.lock"):
+            return self._usage()
+
+    def _usage(self) -> int:
+        try:
+            return int((self.root / "usage").read_bytes() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def _add_usage(self, delta: int) -> None:
+        self._write_usage(max(0, self._usage() + delta))
+
+    def _write_usage(self, value: int) -> None:
+        # Overwritten in place at a fixed width: a full disk must not stop the bookkeeping
+        # (a new file would need a new block), and the state lock is held.
+        fd = os.open(self.root / "usage", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, b"%20d" % value, 0)
+        finally:
+            os.close(fd)
+
+    # ---- paths and locks ----------------------------------------------------------------
+
+    def _object(self, key: str) -> Path:
+        return self.root / "objects" / key[:2] / key
+
+    def _stripe(self, key: str) -> Path:
+        return self.root / "locks" / key[:3]
+
+    @contextmanager
+    def _flock(self, path: Path) -> Iterator[None]:
+        # flock locks belong to an open file description, so this excludes other threads of
+        # this process as well as other processes.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)

@@ -1,0 +1,79 @@
+"""The audit ledger (`audit.ledger=PATH`): which samples each rank trained on, step by step.
+
+One file for all ranks. Each line is one optimizer step of one rank,
+
+    {"step": 12, "rank": 0, "epoch": 1, "samples": [dataset indices], "loss": "0x1.8p-1"}
+
+written with a single `os.write` on an `O_APPEND` descriptor, so lines from concurrent ranks
+never interleave. A crash can leave the last line torn; `read_ledger` ignores it. A resumed
+run recomputes the steps after its checkpoint and appends them again; the last record of a
+(step, rank) is the surviving history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch.distributed as dist
+
+
+class LedgerWriter:
+    def __init__(self, path: Path, rank: int) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if _ends_torn(Path(path)):
+            # End a crashed run's torn line, so our first record starts a line of its own
+            # (racing ranks may add a blank line or two; readers skip them).
+            os.write(self._fd, b"\n")
+
+    def record(self, step: int, epoch: int, samples: Iterable[int], loss: float) -> None:
+        line = json.dumps({"step": step, "rank": self.rank, "epoch": epoch,
+                           "samples": [int(i) for i in samples], "loss": float(loss).hex()},
+                          separators=(",", ":")) + "\n"
+        data = line.encode()
+        written = os.write(self._fd, data)
+        if written != len(data):  # a regular file takes an append whole, or the disk is full
+            raise OSError(f"short write to the audit ledger ({written} of {len(data)} bytes)")
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _ends_torn(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def open_ledger(path: Optional[str], rank: Optional[int] = None) -> Optional[LedgerWriter]:
+    """A writer for `path` (None: no ledger); the rank defaults to torch.distributed's."""
+    if not path:
+        return None
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return LedgerWriter(Path(path), rank)
+
+
+def read_ledger(path: Path) -> Dict[Tuple[int, int], dict]:
+    """{(step, rank): record}, the last record of each. A torn last line is ignored, and so
+    is a torn line a resumed run has since ended with a newline."""
+    records: Dict[Tuple[int, int], dict] = {}
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break  # the torn tail of a crashed write
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                records[(int(record["step"]), int(record["rank"]))] = record
+            except (ValueError, KeyError, TypeError):
+                continue
+    return records

@@ -1,0 +1,97 @@
+"""From the `data` config to datasets and loaders: what `python -m train` calls.
+
+The volume is `data.root` (a folder or an fsspec URL); the node cache is `data.cache_dir`
+(null: no cache, read through), which also stores the indexes, so a restart neither lists
+the volume again nor fetches a cached file twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable, List, Optional, Tuple
+
+from omegaconf import DictConfig
+
+from data import synthetic
+from data.cache import NodeCache
+from data.dataset import JpegFolderDataset
+from data.errors import DatasetError, OnBadFile
+from data.index import load_or_build
+from data.loader import VolumeLoader
+from data.progress import task_progress
+from data.sampler import Key
+from data.volume import MissingPathError, Volume
+
+log = logging.getLogger(__name__)
+
+GB = 10 ** 9
+
+
+def prepare_root(cfg: DictConfig) -> Volume:
+    """The dataset's volume; the embedded shapes dataset is generated on first use."""
+    if str(cfg.root) == str(cfg.synthetic.dir):
+        generate_synthetic(cfg.synthetic)
+    volume = Volume(str(cfg.root), cfg.read_retries, cfg.retry_backoff_seconds)
+    try:
+        entries = volume.list_dir("")
+    except MissingPathError:
+        raise DatasetError(f"data.root {cfg.root} does not exist or is not a directory: "
+                           f"point data.root at a folder with train/ and val/ subfolders"
+                           ) from None
+    if not entries:
+        raise DatasetError(f"data.root {cfg.root} is empty: expected train/<class>/*.jpg and "
+                           f"val/<class>/*.jpg under it")
+    return volume
+
+
+def generate_synthetic(syn: DictConfig) -> None:
+    expected = synthetic.manifest(syn.seed, syn.num_train, syn.num_val, syn.size)
+    if synthetic.is_complete(Path(syn.dir), expected):
+        return
+    log.info("generating the shapes dataset at %s (first use)", syn.dir)
+    with task_progress("generating shapes", syn.num_train + syn.num_val) as update:
+        synthetic.generate(Path(syn.dir), syn.num_train, syn.num_val, syn.size, syn.seed,
+                           progress=update)
+
+
+def open_cache(cfg: DictConfig) -> Optional[NodeCache]:
+    if cfg.cache_dir is None:
+        return None
+    if cfg.cache_limit_gb <= 0:
+        raise DatasetError(f"data.cache_limit_gb={cfg.cache_limit_gb} must be > 0: set a byte "
+                           f"budget, or data.cache_dir=null to read without a cache")
+    try:
+        return NodeCache(Path(cfg.cache_dir), int(cfg.cache_limit_gb * GB))
+    except OSError as err:
+        raise DatasetError(f"cannot use data.cache_dir={cfg.cache_dir} ({err.strerror}): "
+                           f"point it at a writable local disk, or set data.cache_dir=null"
+                           ) from None
+
+
+def build_datasets(cfg: DictConfig, seed: int
+                   ) -> Tuple[JpegFolderDataset, JpegFolderDataset]:
+    """(train, val) datasets over `data.root`, sharing one node cache."""
+    volume = prepare_root(cfg)
+    cache = open_cache(cfg)
+    common = dict(on_bad_file=cfg.on_bad_file, reindex=cfg.reindex)
+    return (open_dataset(volume, "train", cache, cfg.image_size, train=True, seed=seed,
+                         crop_scale_min=cfg.crop_scale_min, **common),
+            open_dataset(volume, "val", cache, cfg.image_size, train=False, seed=seed,
+                         **common))
+
+
+def open_dataset(volume: Volume, split: str, cache: Optional[NodeCache], image_size: int,
+                 train: bool, seed: int, crop_scale_min: float = 0.35,
+                 on_bad_file: OnBadFile = OnBadFile.skip,
+                 reindex: bool = False) -> JpegFolderDataset:
+    """One split; its index is stored in (and reused from) the cache directory."""
+    store = cache.root / "index" if cache is not None else None
+    return JpegFolderDataset(load_or_build(volume, split, store, reindex), volume, cache,
+                             image_size, train, seed, crop_scale_min, on_bad_file)
+
+
+def build_loader(dataset: JpegFolderDataset, batches: Iterable[List[Key]], cfg: DictConfig,
+                 pin_memory: bool) -> VolumeLoader:
+    return VolumeLoader(dataset, batches, cfg.num_workers, cfg.prefetch_factor, pin_memory,
+                        cfg.prefetch_threads, cfg.prefetch_batches)

@@ -1,0 +1,192 @@
+"""The node cache with real processes: one fetch per file per node, a byte budget that holds
+across processes, corrupt entries refetched, reuse after a restart, a full disk."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from conftest import REPO
+from data import synthetic
+from data.cache import FOOTER, NodeCache
+from data.pipeline import open_dataset
+from data.volume import Volume
+
+# One rank: read every train sample `passes` times through the cache with 2 workers and the
+# prefetcher, in the same order as the other rank, so they contend for every file.
+RANK = """
+import sys
+from data.cache import NodeCache
+from data.loader import VolumeLoader, eval_batches
+from data.pipeline import open_dataset
+from data.volume import Volume
+root, cache_dir, limit, passes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ds = open_dataset(Volume(root), "train", NodeCache(cache_dir, limit), 24, train=False, seed=0)
+loader = VolumeLoader(ds, eval_batches(len(ds), 10) * passes, 2, prefetch_factor=2,
+                      prefetch_threads=4, prefetch_batches=4)
+stats = sum(b.stats for b in loader)
+print(int(stats[0]), int(stats[1]), int(stats[3]))
+"""
+
+
+def run_ranks(root: Path, cache_dir: Path, limit: int, ranks: int, log: Path,
+              passes: int = 1) -> List[List[int]]:
+    """Start `ranks` processes at once; each prints (lookups, hits, bad files)."""
+    env = dict(os.environ, GOODPUT_SLOWFS_LOG=str(log), GOODPUT_SLOWFS_LATENCY_MS="5",
+               PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, f"slow://{root}", str(cache_dir),
+                               str(limit), str(passes)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(ranks)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        results.append([int(x) for x in out.split()])
+    return results
+
+
+def volume_reads(log: Path) -> Counter:
+    return Counter(log.read_text().splitlines()) if log.exists() else Counter()
+
+
+def object_bytes(cache_dir: Path) -> int:
+    """Everything on disk under objects/, fills in progress included, as one snapshot: the
+    state lock keeps evictions and reservations out while we walk, and a fill renamed
+    during the walk counts once (its temporary name ends with its final name)."""
+    sizes = {}
+    fd = os.open(cache_dir / "state.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for dirpath, _, files in os.walk(cache_dir / "objects"):
+            for name in files:
+                try:
+                    size = os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    continue
+                key = name.rsplit("-", 1)[-1]
+                sizes[key] = max(sizes.get(key, 0), size)
+    finally:
+        os.close(fd)
+    return sum(sizes.values())
+
+
+def train_files(root: Path) -> List[str]:
+    return sorted(str(p) for p in (root / "train").rglob("*.jpg"))
+
+
+def test_two_ranks_of_two_workers_fetch_each_file_once_and_reuse_it_after_a_restart(
+        tiny_root, tmp_path):
+    cache, log = tmp_path / "cache", tmp_path / "reads.log"
+    results = run_ranks(tiny_root, cache, 10 ** 9, ranks=2, log=log)
+    reads = volume_reads(log)
+    assert sorted(reads) == train_files(tiny_root)  # the control: every file was read...
+    assert set(reads.values()) == {1}  # ...and only once, by one of the 4 workers + 2 pools
+    assert all(lookups == 120 and bad == 0 for lookups, _, bad in results)
+    index_files = list((cache / "index").iterdir())
+    index_mtime = [p.stat().st_mtime_ns for p in index_files]
+
+    # A restart: new processes, same cache directory. Nothing is fetched or listed again.
+    log.unlink()
+    (lookups, hits, _), = run_ranks(tiny_root, cache, 10 ** 9, ranks=1, log=log)
+    assert not volume_reads(log)
+    assert hits == lookups == 120
+    assert [p.stat().st_mtime_ns for p in index_files] == index_mtime
+
+
+def test_the_byte_budget_holds_across_processes(tiny_root, tmp_path):
+    cache, log = tmp_path / "cache", tmp_path / "reads.log"
+    dataset_bytes = sum(os.path.getsize(f) for f in train_files(tiny_root))
+    limit = dataset_bytes // 2
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:  # samples the disk while the ranks fill and evict
+        while not done.is_set():
+            if (cache / "objects").is_dir():
+                peak[0] = max(peak[0], object_bytes(cache))
+            time.sleep(0.001)  # let the ranks take the lock between samples
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        results = run_ranks(tiny_root, cache, limit, ranks=2, log=log, passes=2)
+    finally:
+        done.set()
+        watcher.join()
+    assert all(lookups == 240 for lookups, _, _ in results)  # nothing lost to eviction
+    assert sum(volume_reads(log).values()) > 120  # the control: the budget forced refetches
+    assert 0 < peak[0] <= limit
+    assert object_bytes(cache) == NodeCache(cache, limit).usage_bytes() <= limit
+
+
+def test_a_truncated_or_corrupt_cache_file_is_refetched_never_served(tmp_path, caplog):
+    cache = NodeCache(tmp_path / "cache", 10 ** 6)
+    fetches = []
+
+    def fetch() -> bytes:
+        fetches.append(1)
+        return b"payload " * 100
+
+    data, lookup = cache.get("k" * 40, fetch)
+    assert not lookup.hit and cache.get("k" * 40, fetch)[1].hit and len(fetches) == 1
+    path = cache._object("k" * 40)
+    for damage in ("truncate", "flip"):
+        blob = path.read_bytes()
+        if damage == "truncate":
+            path.write_bytes(blob[:len(blob) // 2])
+        else:
+            path.write_bytes(blob[:10] + bytes([blob[10] ^ 1]) + blob[11:])
+        with caplog.at_level(logging.WARNING, logger="data.cache"):
+            again, lookup = cache.get("k" * 40, fetch)
+        assert again == data and not lookup.hit
+        assert "truncated or corrupt" in caplog.text
+        caplog.clear()
+    assert len(fetches) == 3
+    assert cache.usage_bytes() == len(data) + FOOTER.size == path.stat().st_size
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real, tiny filesystem; mounting needs root (CI runs as root)."""
+    mounts = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"tmpfs-{size}"
+        path.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                 str(path)], capture_output=True, text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_full_cache_disk_evicts_then_reads_through_and_loses_nothing(tmp_path, tmpfs,
+                                                                       caplog):
+    root = synthetic.generate(tmp_path / "big", 20, 10, 160, workers=1)  # ~5 KB files
+    direct = open_dataset(Volume(str(root)), "train", None, 32, train=True, seed=0)
+    expected = [direct[(0, i)].image for i in range(len(direct))]
+    for size, message in (("16k", "evicting least-recently-used"), ("4k", "even after eviction")):
+        cache = NodeCache(tmpfs(size), 10 ** 9)  # the budget claims far more than the disk
+        ds = open_dataset(Volume(str(root)), "train", cache, 32, train=True, seed=0)
+        with caplog.at_level(logging.WARNING, logger="data.cache"):
+            for _ in range(2):
+                got = [ds[(0, i)].image for i in range(len(ds))]
+                assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        assert message in caplog.text
+        caplog.clear()

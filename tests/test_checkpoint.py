@@ -1,0 +1,315 @@
+"""CheckpointManager in one process: snapshots, the commit protocol, corruption, hostile
+pickles, retention. (Killed-process tests are in test_resume.py.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from checkpointing import commit
+from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
+from checkpointing.storage import Store
+from train.state import (DataIdentity, DataState, ModelState, OptimizerState, Progress,
+                         TrainerState)
+
+
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                               torch.nn.Linear(16, 4))
+
+
+class Job:
+    """A tiny model, optimizer and data position, with one training step done."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = make_model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
+        self.progress = Progress()
+        self.step()
+
+    def step(self) -> None:
+        self.model(torch.randn(6, 8)).sum().backward()  # also moves BatchNorm statistics
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.progress.advance(steps_per_epoch=3)
+
+    def state(self) -> dict:
+        return {"model": ModelState(self.model),
+                "optim": OptimizerState(self.model, self.optimizer),
+                "trainer": TrainerState(self.progress),
+                "data": DataState(self.progress, DataIdentity(0, 30, 10))}
+
+    def snapshot(self) -> dict:
+        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
+                "optim": {i: {k: v.clone() for k, v in s.items()}
+                          for i, s in self.optimizer.state_dict()["state"].items()},
+                "progress": (self.progress.step, self.progress.epoch,
+                             self.progress.step_in_epoch)}
+
+
+def same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not same(x, y):
+                return False
+        elif isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def manager(root: Path, **kw) -> CheckpointManager:
+    return CheckpointManager(CheckpointOptions(dir=str(root), **kw))
+
+
+def load_into_fresh(mgr: CheckpointManager) -> tuple:
+    job = Job(seed=123)  # different weights: everything must come from the checkpoint
+    step = mgr.load_latest(job.state())
+    return step, job.snapshot()
+
+
+@pytest.mark.parametrize("mode", ["off", "thread"])
+@pytest.mark.parametrize("staging", [False, True])
+def test_round_trip_and_commit_layout(tmp_path, mode, staging):
+    job = Job()
+    mgr = manager(tmp_path / "ckpt", async_mode=mode,
+                  staging_dir=str(tmp_path / "stage") if staging else None)
+    mgr.save(job.progress.step, job.state())
+    expected = job.snapshot()
+    mgr.close()
+    names = os.listdir(tmp_path / "ckpt")
+    assert names == ["step_000000001"]  # no partial left, committed by rename
+    assert set(os.listdir(tmp_path / "ckpt" / names[0])) == {
+        ".metadata", "__0_0.distcp", "commit_rank_0.json"}
+    step, loaded = load_into_fresh(manager(tmp_path / "ckpt"))
+    assert step == 1 and same(loaded, expected)
+
+
+class SlowWriter:
+    """Makes DCP's file writing slow, so the loop runs on while a save is in flight."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+        original = FileSystemWriter.write_data
+
+        def slow(writer, plan, planner):
+            time.sleep(seconds)
+            return original(writer, plan, planner)
+
+        monkeypatch.setattr(FileSystemWriter, "write_data", slow)
+
+
+def mutate_everything(job: Job) -> None:
+    with torch.no_grad():
+        for p in job.model.parameters():
+            p.add_(1.0)
+        job.model[1].running_mean.add_(5.0)
+    for s in job.optimizer.state.values():
+        s["exp_avg"].add_(3.0)
+    job.progress.advance(steps_per_epoch=3)
+
+
+def test_async_save_is_a_snapshot_taken_before_save_returns(tmp_path, monkeypatch):
+    SlowWriter(monkeypatch, 0.5)
+    job = Job()
+    mgr = manager(tmp_path / "ckpt", async_mode="thread")
+    mgr.save(1, job.state())
+    expected = job.snapshot()
+    mutate_everything(job)  # while the slowed write is still in flight
+    assert mgr._pending is not None and mgr._pending.is_alive()
+    mgr.close()
+    _, loaded = load_into_fresh(manager(tmp_path / "ckpt"))
+    assert same(loaded, expected)
+
+
+def test_the_snapshot_test_catches_a_torn_snapshot(tmp_path, monkeypatch):
+    """Negative control: with staging that skips the copy, the mutations do leak."""
+    SlowWriter(monkeypatch, 0.5)
+    monkeypatch.setattr(FileSystemWriter, "stage", lambda self, state_dict: state_dict)
+    job = Job()
+    mgr = manager(tmp_path / "ckpt", async_mode="thread")
+    mgr.save(1, job.state())
+    expected = job.snapshot()
+    mutate_everything(job)
+    mgr.close()
+    _, loaded = load_into_fresh(manager(tmp_path / "ckpt"))
+    assert not same(loaded["model"], expected["model"])
+
+
+def test_async_and_sync_saves_hold_identical_content(tmp_path):
+    job = Job()
+    for mode in ("off", "thread"):
+        mgr = manager(tmp_path / mode, async_mode=mode)
+        mgr.save(1, job.state())
+        mgr.close()
+    _, a = load_into_fresh(manager(tmp_path / "off"))
+    _, b = load_into_fresh(manager(tmp_path / "thread"))
+    assert same(a, b) and same(a, job.snapshot())
+
+
+def two_checkpoints(tmp_path: Path) -> tuple:
+    job = Job()
+    mgr = manager(tmp_path / "ckpt", async_mode="off")
+    mgr.save(1, job.state())
+    first = job.snapshot()
+    job.step()
+    mgr.save(2, job.state())
+    return tmp_path / "ckpt", first
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "truncated shard": lambda d, root: os.truncate(d / "__0_0.distcp", 100),
+    "flipped byte": lambda d, root: flip_byte(d / "__0_0.distcp"),
+    "missing shard": lambda d, root: os.remove(d / "__0_0.distcp"),
+    "missing marker": lambda d, root: os.remove(d / "commit_rank_0.json"),
+    "missing metadata": lambda d, root: os.remove(d / ".metadata"),
+    "shard from another step": lambda d, root: shutil.copy(
+        root / "step_000000001" / "__0_0.distcp", d / "__0_0.distcp"),
+    "marker from another step": lambda d, root: shutil.copy(
+        root / "step_000000001" / "commit_rank_0.json", d / "commit_rank_0.json"),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, corruption,
+                                                                    caplog):
+    root, first = two_checkpoints(tmp_path)
+    CORRUPTIONS[corruption](root / "step_000000002", root)
+    with caplog.at_level(logging.WARNING):
+        step, loaded = load_into_fresh(manager(root))
+    assert step == 1 and same(loaded, first)
+    skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    assert len(skipped) == 1 and "step_000000002" in skipped[0]
+
+
+def test_when_no_checkpoint_is_valid_nothing_is_loaded(tmp_path):
+    root, _ = two_checkpoints(tmp_path)
+    for step_dir in root.iterdir():
+        flip_byte(step_dir / "__0_0.distcp")
+    mgr = manager(root)
+    job = Job(seed=5)
+    before = job.snapshot()
+    assert mgr.load_latest(job.state()) is None
+    assert mgr.has_any_checkpoint()  # the trainer turns this into an error (test_resume)
+    assert same(job.snapshot(), before)
+
+
+def test_newest_means_the_highest_step_not_the_newest_file(tmp_path):
+    root, _ = two_checkpoints(tmp_path)
+    old = root / "step_000000001"
+    os.utime(old, (time.time() + 1000, time.time() + 1000))
+    assert next(commit.find_complete(Store(str(root))))[0] == 2
+
+
+class Payload:
+    """Unpickling this runs a shell command: what a planted checkpoint file would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def rewrite_marker(step_dir: Path) -> None:
+    """Re-sign the files as the attacker would, so only the safe loader stands in the way."""
+    store = Store(str(step_dir.parent))
+    files = {p.name: commit.FileRecord(p.stat().st_size, store.sha256(str(p)))
+             for p in step_dir.iterdir() if p.name != "commit_rank_0.json"}
+    commit.write_marker(store, step_dir.name, int(step_dir.name[5:]), 0, 1, files)
+
+
+def test_a_hostile_metadata_pickle_is_never_run(tmp_path):
+    import pickle
+
+    root, first = two_checkpoints(tmp_path)
+    marker = tmp_path / "pwned"
+    (root / "step_000000002" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    rewrite_marker(root / "step_000000002")
+    step, loaded = load_into_fresh(manager(root))
+    assert not marker.exists()
+    assert step == 1 and same(loaded, first)
+
+
+def test_a_hostile_non_tensor_item_is_never_run(tmp_path, caplog):
+    marker = tmp_path / "pwned"
+    root = tmp_path / "ckpt"
+    mgr = manager(root, async_mode="off")
+    job = Job()
+    state = job.state()
+    mgr.save(1, {**state, "trainer": {"step": Payload(marker)}})  # planted in the shard
+    assert not marker.exists()
+    with caplog.at_level(logging.WARNING):
+        assert manager(root).load_latest(Job().state()) is None  # skipped, not run
+    assert "refusing to load item trainer.step" in caplog.text
+    assert not marker.exists()
+    # The control: DCP's own loader does run it, so this test guards a real hole.
+    dcp.load({"trainer": {"step": 0}}, storage_reader=FileSystemReader(root / "step_000000001"),
+             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    assert marker.exists()
+
+
+def test_retention_keeps_the_newest_and_cleans_leftovers(tmp_path):
+    job = Job()
+    root = tmp_path / "ckpt"
+    mgr = manager(root, async_mode="thread", keep_last=2)
+    for step in (1, 2, 3):
+        mgr.save(step, job.state())
+        mgr.wait()
+    (root / ".step_000000004.partial-dead").mkdir()  # left by a crash
+    (root / "step_000000000").mkdir()  # an incomplete step directory
+    mgr.save(5, job.state())
+    mgr.close()
+    assert sorted(os.listdir(root)) == ["step_000000003", "step_000000005"]
+
+
+def test_a_failed_save_never_pushes_out_a_good_checkpoint(tmp_path, caplog):
+    job = Job()
+    root = tmp_path / "ckpt"
+
+    def fail_third(phase: str, step: int) -> None:
+        if step in (3, 6) and phase == "uploaded":
+            raise OSError("No space left on device")
+
+    mgr = CheckpointManager(CheckpointOptions(dir=str(root), keep_last=2), fault_hook=fail_third)
+    for step in (1, 2):
+        mgr.save(step, job.state())
+    mgr.save(3, job.state())
+    with caplog.at_level(logging.ERROR):
+        assert mgr.wait() is False
+    assert "No space left on device" in caplog.text and mgr.failed_saves == 1
+    assert [s for s, _ in commit.find_complete(Store(str(root)))] == [2, 1]
+    mgr.save(4, job.state())
+    mgr.close()
+    assert sorted(os.listdir(root)) == ["step_000000002", "step_000000004"]
+    mgr.save(5, job.state())
+    mgr.save(6, job.state())  # the final save fails: close() must say so
+    with pytest.raises(CheckpointError, match="final checkpoint"):
+        mgr.close()
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="keep at least 2"):
+        CheckpointOptions(dir="x", keep_last=1)
+    with pytest.raises(ValueError, match="async_mode"):
+        CheckpointOptions(dir="x", async_mode="threads")

@@ -1,0 +1,174 @@
+"""`python -m checkpointing.verify` and `python -m checkpointing.export`.
+
+Most tests work on checkpoints written in-process by CheckpointManager around a torchvision
+ResNet-18 (the same Stateful objects the trainer saves), so they do not depend on the
+training loop; one test exports the checkpoint of a real `python -m train` run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from safetensors.torch import load_file
+
+from checkpointing import export, verify
+from checkpointing.manager import CheckpointManager, CheckpointOptions
+from conftest import REPO, run_train, tiny_overrides
+from train.state import ModelState, OptimizerState, Progress, RNGState
+
+STEP_2, STEP_4 = "step_000000002", "step_000000004"
+
+
+def logits(weights: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's output on a fixed batch, through the public torchvision constructor."""
+    model = torchvision.models.get_model("resnet18", num_classes=10)
+    model.load_state_dict(weights, strict=True)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(7)))
+
+
+def read_export(path: Path) -> Dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    return torch.load(path, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory):
+    """A checkpoint.dir with steps 2 and 4 of a short training, and the model at each."""
+    root = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    torch.manual_seed(0)
+    model = torchvision.models.get_model("resnet18", num_classes=10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    progress = Progress()
+    # Non-tensor items (progress, RNG) make the checkpoint hold more than the model.
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+             "trainer": progress, "rng": RNGState(0)}
+    manager = CheckpointManager(CheckpointOptions(dir=str(root), async_mode="thread"))
+    weights = {}
+    for step in range(1, 5):
+        loss = F.cross_entropy(model(torch.randn(8, 3, 32, 32)), torch.randint(0, 10, (8,)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        progress.step = step
+        if step % 2 == 0:
+            manager.save(step, state)
+            weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    manager.close()
+    return root, weights
+
+
+@pytest.fixture
+def ckpt_dir(trained, tmp_path: Path) -> Path:
+    """A private copy of the trained checkpoint.dir, for tests that damage it."""
+    return Path(shutil.copytree(trained[0], tmp_path / "checkpoints"))
+
+
+def flip_byte(path: Path, offset: int = 4096) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_export_reproduces_the_models_logits(trained, tmp_path, suffix):
+    root, weights = trained
+    out = tmp_path / f"model{suffix}"
+    assert export.main([str(root), str(out)]) == 0
+    exported = read_export(out)
+    assert exported.keys() == torchvision.models.get_model("resnet18").state_dict().keys()
+    assert torch.equal(logits(exported), logits(weights[4]))
+    # The control: the older step is another model, so the comparison can tell them apart.
+    older = tmp_path / f"older{suffix}"
+    assert export.main([str(root / STEP_2), str(older)]) == 0
+    assert torch.equal(logits(read_export(older)), logits(weights[2]))
+    assert not torch.equal(logits(weights[2]), logits(weights[4]))
+
+
+def test_verify_reports_each_checkpoint_and_finds_a_flipped_byte(ckpt_dir, capsys):
+    (ckpt_dir / ".step_000000006.partial-1-abc").mkdir()
+    assert verify.main([str(ckpt_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ".step_000000006.partial-1-abc  partial (ignored)"
+    assert [line.split()[:2] for line in lines[1:]] == [[STEP_4, "complete"],
+                                                         [STEP_2, "complete"]]
+    assert re.fullmatch(r"step_000000004  complete  \(2 files, \d+\.\d MB, world size 1\)",
+                        lines[1])
+
+    flip_byte(ckpt_dir / STEP_4 / "__0_0.distcp")
+    assert verify.main([str(ckpt_dir)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (f"{STEP_4}  INCOMPLETE: __0_0.distcp does not match its checksum "
+                        f"(altered or swapped)")
+    assert lines[2].startswith(f"{STEP_2}  complete")
+
+
+def test_verify_of_a_missing_directory_is_a_one_line_error(tmp_path):
+    result = run_cli("checkpointing.verify", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'nowhere'} is not a "
+                                                  f"directory"]
+
+
+def test_export_refuses_a_damaged_checkpoint(ckpt_dir, tmp_path):
+    flip_byte(ckpt_dir / STEP_4 / "__0_0.distcp")
+    out = tmp_path / "model.pt"
+    result = run_cli("checkpointing.export", str(ckpt_dir / STEP_4), str(out))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: {ckpt_dir / STEP_4} is incomplete: __0_0.distcp does not match its checksum "
+        f"(altered or swapped)"]
+    assert not out.exists()
+
+
+def test_export_picks_the_newest_complete_step_not_names_or_times(trained, ckpt_dir, tmp_path):
+    weights = trained[1]
+    # step 9: the highest step and the last name, a copy of step 2 that claims to be step 9.
+    step_9 = Path(shutil.copytree(ckpt_dir / STEP_2, ckpt_dir / "step_000000009"))
+    marker = step_9 / "commit_rank_0.json"
+    marker.write_text(json.dumps(dict(json.loads(marker.read_text()), step=9)))
+    # ... and step 2 the newest by file times.
+    for age, name in [(300, STEP_4), (200, "step_000000009"), (100, STEP_2)]:
+        for path in [ckpt_dir / name, *(ckpt_dir / name).iterdir()]:
+            os.utime(path, (path.stat().st_atime, path.stat().st_mtime + 1000 - age))
+
+    out = tmp_path / "model.pt"
+    # The control: while intact, step 9 is a complete checkpoint and wins.
+    assert export.main([str(ckpt_dir), str(out)]) == 0
+    assert torch.equal(logits(read_export(out)), logits(weights[2]))
+
+    flip_byte(step_9 / "__0_0.distcp")
+    assert export.main([str(ckpt_dir), str(out)]) == 0
+    assert torch.equal(logits(read_export(out)), logits(weights[4]))
+
+
+def test_export_of_a_training_run_loads_into_torchvision(tmp_path, tiny_root):
+    result = run_train(["+experiment=resnet", *tiny_overrides(tiny_root), "logger=none",
+                        "trainer.max_steps=4", "checkpoint.interval_steps=2",
+                        f"run.root={tmp_path}", "run.name=r"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = torch.load(tmp_path / "r" / "model_final.pt", weights_only=True)
+    out = tmp_path / "model.safetensors"
+    assert export.main([str(tmp_path / "r" / "checkpoints"), str(out)]) == 0
+    assert torch.equal(logits(load_file(out)), logits(final))

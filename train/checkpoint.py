@@ -1,0 +1,175 @@
+"""The trainer's side of checkpointing: what to save, when, and resuming on start."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from checkpointing.manager import CheckpointManager, CheckpointOptions
+from train.config import ResumeMode
+from train.distributed import World
+from train.errors import ConfigError
+from train.state import Progress, RNGState, RunInfo, changed_keys
+from train.tracking import flatten
+
+log = logging.getLogger(__name__)
+
+# Changing these makes a checkpoint meaningless for the run: refuse to resume across them.
+IDENTITY_KEYS = ("model.name", "data.root")
+FAULT_ENV = "GOODPUT_FAULT"  # e.g. "kill:checkpoint:2:uploaded" (tests and demos only)
+
+
+def training_config(cfg: DictConfig) -> Dict[str, str]:
+    """The resolved config minus keys that do not change what is trained."""
+    flat = flatten(OmegaConf.to_container(cfg, resolve=True))
+    ignored = list(cfg.run.exclude_keys) + ["checkpoint", "audit"]
+    return {k: v for k, v in flat.items()
+            if not any(k == p or k.startswith(p + ".") for p in ignored)}
+
+
+def omitted_state_keys() -> List[str]:
+    """`GOODPUT_FAULT=omit:rng,data` leaves those keys out of every save and load: the
+    negative controls that show resume equivalence really depends on them."""
+    spec = os.environ.get(FAULT_ENV, "")
+    return spec[len("omit:"):].split(",") if spec.startswith("omit:") else []
+
+
+def save_fault_hook() -> Any:
+    """SIGKILL this process at a named phase of the N-th save, when GOODPUT_FAULT asks.
+
+    `kill:checkpoint:N:PHASE` with PHASE one of written, uploading, uploaded, committing.
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    parts = spec.split(":")
+    if len(parts) != 4 or parts[:2] != ["kill", "checkpoint"]:
+        return lambda phase, step: None
+    target, phase_wanted = int(parts[2]), parts[3]
+    seen = {"count": 0}
+
+    def hook(phase: str, step: int) -> None:
+        if phase == "written":
+            seen["count"] += 1
+        if seen["count"] == target and phase == phase_wanted:
+            log.warning("fault injection: SIGKILL during checkpoint %d (%s)", step, phase)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def build_manager(cfg: DictConfig, world: World) -> Optional[CheckpointManager]:
+    ck = cfg.checkpoint
+    if not ck.enabled:
+        return None
+    try:
+        options = CheckpointOptions(dir=ck.dir, staging_dir=ck.staging_dir,
+                                    async_mode=ck.async_mode.value, keep_last=ck.keep_last,
+                                    commit_timeout_s=ck.commit_timeout_s)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return CheckpointManager(options, world.rank, world.world_size, world.checkpoint_group,
+                             fault_hook=save_fault_hook())
+
+
+def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[str, Any],
+           world: World) -> Optional[str]:
+    """Load the newest complete checkpoint into `state` as `checkpoint.resume` says.
+
+    Returns the MLflow run id to keep logging into (None for a fresh start).
+    """
+    mode = cfg.checkpoint.resume
+    if manager is None:
+        return None
+    exists = manager.has_any_checkpoint()
+    if mode == ResumeMode.never:
+        if exists:
+            raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints "
+                              f"and checkpoint.resume=never: pick another run.name, or "
+                              f"checkpoint.resume=auto to continue that run")
+        return None
+    info: RunInfo = state["run"]
+    current_config = dict(info.config)
+    step = manager.load_latest(
+        state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else [])
+    if step is None:
+        if exists:
+            raise ConfigError(f"{cfg.checkpoint.dir} holds checkpoints but none is complete "
+                              f"(see the warnings above): remove them to start afresh, or "
+                              f"point checkpoint.dir at a good copy")
+        if mode == ResumeMode.required:
+            raise ConfigError(f"checkpoint.resume=required but {cfg.checkpoint.dir} holds no "
+                              f"checkpoint: check run.name / checkpoint.dir")
+        return None
+    progress: Progress = state["trainer"].progress
+    if progress.step != step:
+        raise ConfigError(f"checkpoint step_{step:09d} records step {progress.step}: "
+                          f"it was not written by this trainer")
+    changed = changed_keys(info.config, current_config)
+    refused = [k for k in changed if k in IDENTITY_KEYS]
+    if refused:
+        raise ConfigError(f"cannot resume {cfg.run.name}: {', '.join(refused)} changed since "
+                          f"the checkpoint (that makes it a different run): use a new run.name")
+    if changed:
+        log.warning("resuming with changed config keys: %s", ", ".join(changed))
+    if "rng" in state and manager.last_loaded_world_size != world.world_size:
+        rng: RNGState = state["rng"]
+        rng.rederive(cfg.seed, step)
+    run_id, info.config = info.mlflow_run_id, current_config
+    return run_id
+
+
+class CheckpointSchedule:
+    """When to save: every `interval_steps`, or by Young/Daly when `auto_interval` is set,
+    and always at the final step."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.interval = max(1, cfg.checkpoint.interval_steps)
+        self.auto = cfg.checkpoint.auto_interval
+        self.mtbf_seconds = cfg.checkpoint.mtbf_hours * 3600
+        self.last_save_step = 0
+        self.last_time = time.perf_counter()
+
+    def due(self, step: int, final: bool) -> bool:
+        return final or step - self.last_save_step >= self.interval
+
+    def saved(self, step: int, manager: CheckpointManager) -> None:
+        """Re-plan after a save: T = sqrt(2 * C * MTBF), C the measured stall; never more
+        often than a save takes to finish in the background."""
+        now = time.perf_counter()
+        if self.auto and step > self.last_save_step:
+            step_seconds = (now - self.last_time) / (step - self.last_save_step)
+            optimal = math.sqrt(2 * max(manager.last_stall_seconds, 1e-3) * self.mtbf_seconds)
+            floor = manager.last_save_seconds / max(step_seconds, 1e-9)
+            self.interval = max(1, math.ceil(max(optimal / max(step_seconds, 1e-9), floor)))
+            log.info("checkpoint interval: %d steps (Young/Daly: stall %.3fs, MTBF %.1fh)",
+                     self.interval, manager.last_stall_seconds, self.mtbf_seconds / 3600)
+        self.last_save_step, self.last_time = step, now
+
+
+class Checkpointing:
+    """The loop's handle on checkpoints: save when due, report what it cost."""
+
+    def __init__(self, manager: CheckpointManager, state: Dict[str, Any],
+                 schedule: CheckpointSchedule) -> None:
+        self.manager, self.state, self.schedule = manager, state, schedule
+
+    def due(self, step: int, final: bool) -> bool:
+        return self.schedule.due(step, final)
+
+    def save(self, step: int) -> float:
+        """Start checkpoint `step`; returns how long the loop was blocked (seconds)."""
+        self.manager.save(step, self.state)
+        self.schedule.saved(step, self.manager)
+        return self.manager.last_stall_seconds
+
+    def metrics(self) -> Dict[str, float]:
+        return {"checkpoint/save_seconds": self.manager.last_save_seconds,
+                "checkpoint/failed_saves": float(self.manager.failed_saves)}
+
+    def close(self) -> None:
+        self.manager.close()

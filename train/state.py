@@ -1,0 +1,177 @@
+"""What a checkpoint holds, as `Stateful` objects (`state_dict()` / `load_state_dict()`).
+
+Everything here saves tensors or plain data (numbers, strings, lists, dicts), so a
+checkpoint loads with `weights_only=True` and never needs to unpickle code.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from data.sampler import derive_seed
+from train.errors import ConfigError
+
+
+class ModelState:
+    """Parameters and buffers (BatchNorm statistics included), valid for single/DDP/FSDP."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> Dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> Dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class SchedulerState:
+    """Only the counters: the schedule itself is rebuilt from the config, and the current
+    learning rates come back with the optimizer's param groups."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"last_epoch": self.scheduler.last_epoch,
+                "step_count": self.scheduler._step_count}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.scheduler.last_epoch = int(state["last_epoch"])
+        self.scheduler._step_count = int(state["step_count"])
+        self.scheduler._last_lr = [g["lr"] for g in self.scheduler.optimizer.param_groups]
+
+
+@dataclass
+class Progress:
+    """Where the run is: optimizer steps done, and the data position they consumed."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0  # global batches of `epoch` consumed by the loop
+
+    def advance(self, steps_per_epoch: int) -> None:
+        self.step += 1
+        self.epoch, self.step_in_epoch = divmod(self.step, steps_per_epoch)
+
+
+class TrainerState:
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"step": self.progress.step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.progress.step = int(state["step"])
+
+
+@dataclass(frozen=True)
+class DataIdentity:
+    """What the saved data position means something under."""
+
+    seed: int
+    dataset_size: int
+    global_batch_size: int
+
+
+class DataState:
+    """The sampler's position: what the *loop* consumed (never what workers prefetched),
+    with the identity of the order it indexes into, checked on resume."""
+
+    def __init__(self, progress: Progress, identity: DataIdentity) -> None:
+        self.progress, self.identity = progress, identity
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.progress.epoch, "step_in_epoch": self.progress.step_in_epoch,
+                **asdict(self.identity)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        saved = {k: int(state[k]) for k in asdict(self.identity)}
+        if saved != asdict(self.identity):
+            raise ConfigError(f"the checkpoint's data order was {saved}, this run's is "
+                              f"{asdict(self.identity)}: resume with the same seed, dataset "
+                              f"and data.global_batch_size, or start a new run (run.name=...)")
+        self.progress.epoch = int(state["epoch"])
+        self.progress.step_in_epoch = int(state["step_in_epoch"])
+
+
+def _rng_snapshot() -> Dict[str, Any]:
+    version, mt, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    snapshot = {
+        "python": [version, list(mt), gauss],
+        "numpy": [keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        snapshot["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return snapshot
+
+
+class RNGState:
+    """This rank's RNGs, saved under `rank_<r>` (DCP would merge identical keys of ranks)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {f"rank_{self.rank}": _rng_snapshot()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        mine = state[f"rank_{self.rank}"]
+        version, mt, gauss = mine["python"]
+        random.setstate((int(version), tuple(int(x) for x in mt), gauss))
+        keys, pos, has_gauss, cached = mine["numpy"]
+        np.random.set_state(("MT19937", np.asarray(keys, dtype=np.uint32), int(pos),
+                             int(has_gauss), float(cached)))
+        torch.set_rng_state(mine["torch"])
+        if "cuda" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(mine["cuda"]))
+
+    def rederive(self, seed: int, step: int) -> None:
+        """After a world-size change the saved per-rank streams do not map onto ranks: start
+        fresh, reproducible ones from (seed, step, rank)."""
+        derived = derive_seed(seed, step, self.rank)
+        random.seed(derived)
+        np.random.seed(derived % 2**32)
+        torch.manual_seed(derived)
+
+
+@dataclass
+class RunInfo:
+    """The MLflow run to keep logging into, and the config that produced the checkpoint."""
+
+    mlflow_run_id: Optional[str]
+    config: Dict[str, str]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"mlflow_run_id": self.mlflow_run_id or "", "config": dict(self.config)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.mlflow_run_id = state["mlflow_run_id"] or None
+        self.config = {str(k): str(v) for k, v in state["config"].items()}
+
+
+def changed_keys(saved: Dict[str, str], current: Dict[str, str]) -> List[str]:
+    return sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
