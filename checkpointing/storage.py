@@ -6,16 +6,35 @@ are written by temp + rename, and a rename is followed by an fsync of the parent
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import List
+from typing import Callable, List, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 CHUNK = 4 << 20
+# Network mounts report some conditions as errors that pass: rclone's write-back cache, for
+# one, answers EIO for a file whose upload is still pending after its directory was renamed.
+TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
+READ_ATTEMPTS = 8
+T = TypeVar("T")
+
+
+def _retrying(read: Callable[[], T]) -> T:
+    """Run a read, retrying transient errors with exponential backoff (~25 s in all)."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return read()
+        except OSError as err:
+            if err.errno not in TRANSIENT_ERRNOS or attempt == READ_ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * 2 ** attempt)
+    raise AssertionError("unreachable")
 
 
 def _fsync_dir(path: str) -> None:
@@ -54,17 +73,20 @@ class Store:
         return self.fs.exists(path)
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(path))
+        return int(_retrying(lambda: self.fs.size(path)))
 
     def sha256(self, path: str) -> str:
-        digest = hashlib.sha256()
-        with self.fs.open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-        return digest.hexdigest()
+        def read() -> str:
+            digest = hashlib.sha256()
+            with self.fs.open(path, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+            return digest.hexdigest()
+
+        return _retrying(read)
 
     def read_bytes(self, path: str) -> bytes:
-        return self.fs.cat_file(path)
+        return _retrying(lambda: self.fs.cat_file(path))
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Whole or not at all: a reader never sees half of it."""

@@ -11,7 +11,7 @@ from the volume at most once per node: a reader that misses takes the key's lock
 again, and only then fetches. A fill is a write to a temporary name and a rename, and every
 read checks the footer, so a partial or corrupt file is never served (it is dropped and
 fetched again). `limit_bytes` is a hard budget: space is reserved in the ledger before a
-file is written, evicting least-recently-used files (by mtime, which each hit refreshes).
+file is written, evicting least-recently-used files (by mtime, which hits refresh, to the minute).
 When the disk itself is full, the cache evicts, retries once, then reads through.
 """
 
@@ -24,17 +24,19 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Iterator, List, Optional, Set, Tuple, Union
 
 log = logging.getLogger(__name__)
 
 FOOTER = struct.Struct("<8sQI")  # magic, payload length, crc32 of the payload
 MAGIC = b"GPCACHE1"
 LOW_WATERMARK = 0.9  # eviction frees down to this fraction of the limit, to amortize scans
+LRU_CLOCK_SECONDS = 60  # a hit refreshes a file's mtime when it is older than this
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ class NodeCache:
 
     # ---- reading -----------------------------------------------------------------------
 
-    def get(self, key: str, fetch: Callable[[], bytes]) -> Tuple[bytes, Lookup]:
+    def get(self, key: str, fetch: Callable[[], bytes]
+            ) -> Tuple[Union[bytes, bytearray], Lookup]:
         """The bytes for `key`: from the cache, else from `fetch()` (once per node)."""
         path = self._object(key)
         data = self._read_valid(path)
@@ -106,21 +109,28 @@ class NodeCache:
             self._store(path, data)
         return len(data)
 
-    def _read_valid(self, path: Path) -> Optional[bytes]:
+    def _read_valid(self, path: Path) -> Optional[bytearray]:
+        """The payload of a complete, verified cache file, or None."""
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
+            f = open(path, "rb", buffering=0)
         except FileNotFoundError:
             return None
-        if len(blob) >= FOOTER.size:
+        with f:
+            st = os.fstat(f.fileno())
+            blob = bytearray(st.st_size)
+            got = 0
+            while got < len(blob):
+                n = f.readinto(memoryview(blob)[got:])
+                if not n:
+                    break
+                got += n
+            if st.st_mtime < time.time() - LRU_CLOCK_SECONDS:
+                os.utime(f.fileno())  # the LRU clock; coarse, to spare a write per hit
+        if got == len(blob) >= FOOTER.size:
             magic, length, crc = FOOTER.unpack_from(blob, len(blob) - FOOTER.size)
-            payload = blob[:-FOOTER.size]
-            if magic == MAGIC and length == len(payload) and zlib.crc32(payload) == crc:
-                try:
-                    os.utime(path)  # the LRU clock
-                except FileNotFoundError:
-                    pass  # evicted while we read; the bytes we hold are still good
-                return payload
+            del blob[-FOOTER.size:]  # in place: no copy of the payload
+            if magic == MAGIC and length == len(blob) and zlib.crc32(blob) == crc:
+                return blob
         log.warning("cache file %s is truncated or corrupt: dropping it and fetching again",
                     path)
         with self._flock(self.root / "state.lock"):

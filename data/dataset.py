@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import NamedTuple, Optional, Sequence, Set, Tuple
+from typing import NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
@@ -43,12 +43,15 @@ class Sample(NamedTuple):
     lookup: Lookup
 
 
-def jpeg_problem(data: bytes) -> Optional[str]:
+def jpeg_problem(data: Union[bytes, bytearray]) -> Optional[str]:
     """Why `data` cannot be a whole JPEG, or None. Decoders often accept a truncated file
     (filling the rest with grey), so the end-of-image marker is checked explicitly."""
     if data[:2] != b"\xff\xd8":
         return "not a JPEG (no start-of-image marker)"
-    if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+    end = len(data)
+    while end > 2 and data[end - 1] == 0:  # some writers pad after the marker
+        end -= 1
+    if data[end - 2:end] != b"\xff\xd9":
         return "truncated JPEG (no end-of-image marker)"
     return None
 
@@ -107,7 +110,7 @@ class JpegFolderDataset(torch.utils.data.Dataset):
         """Sample i's bytes from the volume (BadFileError when it cannot be read)."""
         return self.volume.read(self.index.name(i))
 
-    def read_bytes(self, i: int) -> Tuple[bytes, Lookup]:
+    def read_bytes(self, i: int) -> Tuple[Union[bytes, bytearray], Lookup]:
         if self.cache is None:
             data = self.fetch(i)
             return data, Lookup(False, len(data))
@@ -118,21 +121,24 @@ class JpegFolderDataset(torch.utils.data.Dataset):
         label = int(self.index.labels[i])
         try:
             data, lookup = self.read_bytes(i)
-            problem = jpeg_problem(data)
-            if problem is None:
-                image = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                    mode=ImageReadMode.RGB)
         except BadFileError as err:
-            data, lookup, problem = b"", Lookup(False, 0), str(err)
-        except RuntimeError:  # the decoder's verdict on a corrupt file
-            problem = "corrupt JPEG (the decoder rejected it)"
+            return self.bad_file(i, label, str(err), Lookup(False, 0))
+        problem = jpeg_problem(data)
+        if problem is None:
+            try:
+                # frombuffer wants a writable buffer; a cache hit already is a fresh one.
+                buffer = data if isinstance(data, bytearray) else bytearray(data)
+                image = decode_jpeg(torch.frombuffer(buffer, dtype=torch.uint8),
+                                    mode=ImageReadMode.RGB)
+            except RuntimeError:  # the decoder's verdict on a corrupt file
+                problem = "corrupt JPEG (the decoder rejected it)"
         if problem is not None:
-            self.bad_file(i, problem)
-            return Sample(None, label, i, lookup)
+            return self.bad_file(i, label, problem, lookup)
         image = self.augment(image, epoch, i) if self.train else self.center(image)
         return Sample(image, label, i, lookup)
 
-    def bad_file(self, i: int, problem: str) -> None:
+    def bad_file(self, i: int, label: int, problem: str, lookup: Lookup) -> Sample:
+        """The placeholder the collate function leaves out (or, with `fail`, the end)."""
         path = self.volume.path(self.index.name(i))
         if self.on_bad_file == OnBadFile.fail:
             raise DatasetError(f"{path}: {problem}: remove or replace the file, or set "
@@ -141,6 +147,7 @@ class JpegFolderDataset(torch.utils.data.Dataset):
             self._warned.add(i)
             log.warning("skipping %s: %s (data.on_bad_file=skip; skipped in every epoch)",
                         path, problem)
+        return Sample(None, label, i, lookup)
 
     def augment(self, image: torch.Tensor, epoch: int, i: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch, i))

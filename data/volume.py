@@ -10,6 +10,7 @@ file, and the dataset decides whether to skip it or fail (`data.on_bad_file`).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Tuple, TypeVar
@@ -53,19 +54,28 @@ class Volume:
     url: str
     retries: int = 5
     backoff_seconds: float = 0.1
-    _fs: Any = field(default=None, init=False, repr=False, compare=False)
     _root: str = field(default="", init=False, repr=False, compare=False)
+    _fs: Any = field(default=None, init=False, repr=False, compare=False)
+    _pid: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._fs, root = fsspec.core.url_to_fs(self.url)
-        self._root = root.rstrip("/")
+        self._root = fsspec.core.url_to_fs(self.url)[1].rstrip("/")
+
+    @property
+    def fs(self) -> Any:
+        """This process's filesystem. Forked DataLoader workers must not share the parent's:
+        an async one (HTTP, S3) holds an event loop and sessions that belong to it."""
+        if self._pid != os.getpid():
+            self._fs = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)[0]
+            self._pid = os.getpid()
+        return self._fs
 
     def __getstate__(self) -> Dict[str, Any]:
-        # Filesystem objects may hold sockets or event loops; workers rebuild their own.
         return {"url": self.url, "retries": self.retries, "backoff_seconds": self.backoff_seconds}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._fs, self._pid = None, -1
         self.__post_init__()
 
     def path(self, relative: str) -> str:
@@ -91,7 +101,7 @@ class Volume:
         """The bytes of one file; BadFileError when it is gone or unreadable."""
         path = self.path(relative)
         try:
-            return self.with_retries(f"reading {path}", lambda: self._fs.cat_file(path))
+            return self.with_retries(f"reading {path}", lambda: self.fs.cat_file(path))
         except PERMANENT_ERRORS as err:
             raise BadFileError(f"cannot read {path}: {type(err).__name__}: {err}") from err
 
@@ -100,7 +110,7 @@ class Volume:
         path = self.path(relative)
         try:
             entries = self.with_retries(f"listing {path}",
-                                        lambda: self._fs.ls(path, detail=True))
+                                        lambda: self.fs.ls(path, detail=True))
         except FileNotFoundError:
             raise MissingPathError(f"{path} does not exist: set data.root to a folder holding "
                                f"train/<class>/*.jpg and val/<class>/*.jpg") from None

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List
+from typing import Iterator, List, Optional
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -48,3 +52,48 @@ def run_train(args: List[str], cwd: Path, timeout: float = 300) -> subprocess.Co
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def rclone_mount(served: Path, mountpoint: Path, cache_mode: str = "off",
+                 server_log: Optional[Path] = None) -> Iterator[Path]:
+    """A real network volume on loopback: `rclone serve webdav` of `served`, FUSE-mounted
+    at `mountpoint` with `rclone mount` (`cache_mode`: rclone's --vfs-cache-mode)."""
+    if not shutil.which("rclone") or not os.path.exists("/dev/fuse"):
+        pytest.fail("rclone and FUSE are required: apt-get install rclone fuse3 (.ci/run does)")
+    port = free_port()
+    log_args = ["-vv", "--log-file", str(server_log)] if server_log else []
+    server = subprocess.Popen(["rclone", "serve", "webdav", str(served),
+                               "--addr", f"127.0.0.1:{port}", *log_args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the server is up once its port answers
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        subprocess.run(["rclone", "mount", ":webdav:", str(mountpoint),
+                        "--webdav-url", f"http://127.0.0.1:{port}",
+                        "--vfs-cache-mode", cache_mode, "--dir-cache-time", "0s",
+                        "--cache-dir", str(mountpoint.parent / f".{mountpoint.name}-vfs"),
+                        "--daemon"], check=True, timeout=60)
+        while not os.path.ismount(mountpoint):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rclone mount at {mountpoint} did not come up")
+            time.sleep(0.1)
+        yield mountpoint
+    finally:
+        subprocess.run(["fusermount", "-uz", str(mountpoint)], capture_output=True)
+        server.terminate()
+        server.wait(timeout=30)

@@ -7,8 +7,10 @@ training loop; one test exports the checkpoint of a real `python -m train` run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -140,6 +142,36 @@ def test_export_refuses_a_damaged_checkpoint(ckpt_dir, tmp_path):
         f"error: {ckpt_dir / STEP_4} is incomplete: __0_0.distcp does not match its checksum "
         f"(altered or swapped)"]
     assert not out.exists()
+
+
+class Planted:
+    """A pickle that makes a directory when it is loaded."""
+
+    def __init__(self, side_effect: Path) -> None:
+        self.side_effect = side_effect
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.side_effect),)
+
+
+def test_export_never_runs_a_planted_metadata_pickle(ckpt_dir, tmp_path, capsys):
+    side_effect = tmp_path / "pwned"
+    metadata = ckpt_dir / STEP_4 / ".metadata"
+    metadata.write_bytes(pickle.dumps(Planted(side_effect)))
+    # Re-sign the marker, as an attacker with write access would: checksums alone pass.
+    marker = ckpt_dir / STEP_4 / "commit_rank_0.json"
+    body = json.loads(marker.read_text())
+    body["files"][".metadata"] = {"size": metadata.stat().st_size,
+                                  "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest()}
+    marker.write_text(json.dumps(body))
+
+    assert export.main([str(ckpt_dir / STEP_4), str(tmp_path / "model.pt")]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and ".metadata is unsafe" in error, error
+    assert not side_effect.exists()
+    # The control: the same pickle does run when loaded the way DCP does by default.
+    pickle.loads(metadata.read_bytes())
+    assert side_effect.is_dir()
 
 
 def test_export_picks_the_newest_complete_step_not_names_or_times(trained, ckpt_dir, tmp_path):

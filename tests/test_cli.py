@@ -86,3 +86,18 @@ def test_user_errors_are_one_line_without_a_traceback(tmp_path, tiny_root, overr
     errors = result.stderr.strip().splitlines()
     assert errors == [errors[-1]] and errors[0].startswith("error: ")
     assert expected.format(**paths) in errors[0]
+
+
+def test_a_resumed_run_keeps_logging_into_the_same_mlflow_run(tmp_path, tiny_root):
+    db = tmp_path / "mlflow.db"
+    args = ["+experiment=resnet", *tiny_overrides(tiny_root), "run.name=r",
+            "checkpoint.interval_steps=3", f"logger.tracking_uri=sqlite:///{db}"]
+    for max_steps in (3, 8):
+        result = run_train([*args, f"trainer.max_steps={max_steps}"], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    client, runs = mlflow_runs(db)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.data.tags["resumed"] == "true"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == [2, 3, 4, 6, 8]  # the second life logged on from step 4

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from checkpointing import commit
 from checkpointing.safe_load import SafeFileSystemReader
 from checkpointing.storage import Store
-from conftest import REPO, tiny_overrides
+from conftest import REPO, rclone_mount, tiny_overrides
 from data.ledger import read_ledger
 
 FINAL = "step_000000012"  # 2 epochs of 6 steps
@@ -141,7 +141,7 @@ def test_repeated_kills_at_random_steps_end_bit_identical(tiny_root, tmp_path, r
     assert_matches_reference(tmp_path, reference)
 
 
-@pytest.mark.parametrize("phase", ["written", "uploading", "committing"])
+@pytest.mark.parametrize("phase", ["uploading", "committing"])
 def test_a_kill_inside_a_background_save_loses_nothing(tiny_root, tmp_path, reference, phase):
     args = command(tiny_root, tmp_path, f"checkpoint.staging_dir={tmp_path / 'staging'}")
     proc = start(args, fault=f"kill:checkpoint:2:{phase}")
@@ -190,6 +190,11 @@ def test_resume_modes_and_no_valid_checkpoint_are_clear_errors(tiny_root, tmp_pa
     proc = start([*args, "checkpoint.resume=never"])
     out = finish(proc)
     assert proc.returncode == 2 and "checkpoint.resume=never" in out
+    proc = start([*args, "model.name=resnet34"])
+    out = finish(proc)
+    assert proc.returncode == 2 and "model.name changed since the checkpoint" in out
+    out = run_to_end([*args, "optim.lr=0.0123", "trainer.max_steps=4"])
+    assert "resuming with changed config keys: optim.lr" in out
     for shard in (tmp_path / "r" / "checkpoints").glob("step_*/__0_0.distcp"):
         os.truncate(shard, 10)
     proc = start(args)
@@ -197,3 +202,24 @@ def test_resume_modes_and_no_valid_checkpoint_are_clear_errors(tiny_root, tmp_pa
     assert proc.returncode == 2, out[-2000:]
     assert "holds checkpoints but none is complete" in out
     assert "Traceback" not in out
+
+
+def test_commit_protocol_on_a_real_fuse_mount_killed_mid_upload(tiny_root, tmp_path, reference):
+    """checkpoint.dir on a writable network mount (rclone webdav + FUSE, write cache), the
+    upload from the local staging tier SIGKILLed halfway."""
+    with rclone_mount(tmp_path / "served", tmp_path / "mnt", cache_mode="writes") as mnt:
+        args = command(tiny_root, tmp_path, f"checkpoint.dir={mnt / 'ckpt'}",
+                       f"checkpoint.staging_dir={tmp_path / 'staging'}")
+        proc = start(args, fault="kill:checkpoint:3:uploading")
+        finish(proc)
+        assert proc.returncode == -signal.SIGKILL
+        store = Store(str(mnt / "ckpt"))
+        assert [s for s, _ in commit.find_complete(store)] == [6, 3]
+        assert [n for n in os.listdir(mnt / "ckpt") if "partial" in n]  # the torn attempt
+        out = run_to_end(args)
+        assert "(step 6," in out
+        final = checkpoint_contents(mnt / "ckpt" / FINAL)
+        assert_same_contents(final, reference["contents"])
+        assert not [n for n in os.listdir(mnt / "ckpt") if "partial" in n]
+    # What the server holds (not just the mount's cache) is the committed checkpoint.
+    assert commit.verify(Store(str(tmp_path / "served" / "ckpt")), FINAL, 12) == 1

@@ -96,7 +96,7 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
                                                     world.rank, world.world_size),
                               cfg.data, pin)
-    checkpoints = Checkpointing(manager, state, CheckpointSchedule(cfg)) if manager else None
+    checkpoints = Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step)) if manager else None
 
     tracker = build_tracker(cfg.logger, rank=world.rank)
     with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:

@@ -127,11 +127,11 @@ class CheckpointSchedule:
     """When to save: every `interval_steps`, or by Young/Daly when `auto_interval` is set,
     and always at the final step."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, start_step: int) -> None:
         self.interval = max(1, cfg.checkpoint.interval_steps)
         self.auto = cfg.checkpoint.auto_interval
         self.mtbf_seconds = cfg.checkpoint.mtbf_hours * 3600
-        self.last_save_step = 0
+        self.last_save_step = start_step  # a resumed run is at a checkpoint already
         self.last_time = time.perf_counter()
 
     def due(self, step: int, final: bool) -> bool:

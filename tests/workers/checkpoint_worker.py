@@ -1,0 +1,52 @@
+"""Run under torchrun by tests/test_checkpoint_multirank.py: save or load a checkpoint with
+CheckpointManager at the launched world size, and report what each rank saw as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from checkpointing.manager import CheckpointManager, CheckpointOptions
+from train.distributed import init_world, shutdown_world
+from train.state import ModelState, OptimizerState, RNGState
+
+
+def build(seed: int) -> tuple:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 6)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def main(mode: str, directory: str, out: str) -> None:
+    world = init_world(timeout_s=60)
+    manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
+                                world.rank, world.world_size, world.checkpoint_group)
+    model, optimizer = build(seed=0 if mode == "save" else 99)
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+             "rng": RNGState(world.rank)}
+    if mode == "save":
+        torch.manual_seed(1000 + world.rank)  # a different stream on every rank
+        manager.save(7, state)
+        manager.close()
+        step = 7
+    else:
+        step = manager.load_latest(
+            state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else [])
+    report = {"rank": world.rank, "step": step,
+              "weight_sum": float(model[0].weight.double().sum()),
+              "running_mean": model[1].running_mean.tolist(),
+              "exp_avg_sum": float(sum(s["exp_avg"].double().sum()
+                                       for s in optimizer.state.values())),
+              "next_random": torch.rand(3).tolist()}
+    Path(out, f"rank{world.rank}.json").write_text(json.dumps(report))
+    shutdown_world()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
