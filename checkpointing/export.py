@@ -26,11 +26,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing import commit
-from checkpointing.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_metadata
+from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
+                                     UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store
 
 MODEL_KEY = "model"
@@ -66,8 +68,11 @@ def locate(ckpt: str) -> Tuple[Store, str, int]:
 
 def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
     """The `model` entries of a local DCP checkpoint, without its prefix."""
-    with open(checkpoint_dir / ".metadata", "rb") as f:
-        metadata = load_metadata(f)
+    try:
+        with open(checkpoint_dir / ".metadata", "rb") as f:
+            metadata = load_metadata(f)
+    except UnsafeCheckpointError as err:  # replaced since it was verified
+        raise ExportError(f"{checkpoint_dir / '.metadata'} is unsafe: {err}") from None
     prefix = MODEL_KEY + "."
     entries = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     if not entries:
@@ -85,7 +90,7 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)),
                      planner=SafeLoadPlanner(), no_dist=True)
-    except CheckpointException as err:
+    except (CheckpointException, UnsafeCheckpointError) as err:
         raise ExportError(f"loading {checkpoint_dir} failed: {str(err).splitlines()[0]}") \
             from None
     return {k[len(prefix):]: v for k, v in state.items()}
@@ -97,7 +102,6 @@ def write(state: Dict[str, torch.Tensor], out: Path, step: int) -> None:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         if out.suffix == ".safetensors":
-            from safetensors.torch import save_file
             save_file(state, str(tmp), metadata={"format": "pt", "step": str(step)})
         else:
             torch.save(state, tmp)

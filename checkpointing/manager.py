@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpointing import commit
 from checkpointing.commit import FileRecord
-from checkpointing.safe_load import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner
+from checkpointing.safe_load import METADATA_FILE, SafeLoadPlanner, safe_reader
 from checkpointing.storage import CHUNK, Store
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class CheckpointManager:
         self.last_complete_step: Optional[int] = None
         self.last_loaded_world_size: Optional[int] = None
         self.failed_saves = 0
+        self._verified: set = set()  # (store url, step) whose checksums were verified
         self.last_stall_seconds = 0.0  # how long the last save blocked the caller
         self.last_save_seconds = 0.0  # how long the last save took to commit
 
@@ -224,21 +225,27 @@ class CheckpointManager:
 
     # ---- retention ----
 
+    def _verified_once(self, store: Store, step: int) -> bool:
+        """Complete, checksums included; each checkpoint is hashed once per process."""
+        key = (store.url, step)
+        if key not in self._verified:
+            try:
+                commit.verify(store, commit.step_dir_name(step), step)
+            except commit.Incomplete:
+                return False
+            self._verified.add(key)
+        return True
+
     def apply_retention(self, newest: int) -> None:
         """Keep the newest `keep_last` complete checkpoints; drop older ones and leftovers.
 
-        Runs only after `newest` is complete, so a failed save can never push out the last
-        good checkpoint. Completeness here is checked by presence and size (checksums are
-        for loading).
+        Runs only after `newest` is complete, and counts only checkpoints whose checksums
+        verify, so neither a failed save nor a rotten checkpoint can push out a good one.
         """
         for store in [self.remote] + ([Store(str(self.staging))] if self.staging else []):
             kept = 0
             for step in commit.committed_steps(store):
-                try:
-                    commit.verify(store, commit.step_dir_name(step), step, checksums=False)
-                    complete = True
-                except commit.Incomplete:
-                    complete = False
+                complete = self._verified_once(store, step)
                 if complete and step <= newest and kept < self.options.keep_last:
                     kept += 1
                 elif step < newest or not complete:
@@ -266,11 +273,12 @@ class CheckpointManager:
                 return None
             step, saved_world = choice
             source = self._load_source(step)
+            remote_url = self.remote.url_of(commit.step_dir_name(step))
             skip = set(optional_keys(saved_world))
             start = time.perf_counter()
             try:
                 dcp.load({k: v for k, v in state.items() if k not in skip},
-                         storage_reader=SafeFileSystemReader(source),
+                         storage_reader=safe_reader(source, local=source != remote_url),
                          planner=SafeLoadPlanner(), **self._dcp_kwargs())
             except CheckpointException as err:
                 failure = next(iter(err.failures.values()))
@@ -283,16 +291,23 @@ class CheckpointManager:
             return step
 
     def _load_source(self, step: int) -> str:
-        """The local tier when every rank holds the complete step there, else the remote."""
+        """The local tier when every rank holds the same complete step there, else the
+        remote (as a URL DCP's readers understand)."""
         name = commit.step_dir_name(step)
         local_ok = False
         if self.staging and (self.staging / name).is_dir():
+            local = Store(str(self.staging))
             try:
-                commit.verify(Store(str(self.staging)), name, step, checksums=False)
-                local_ok = True
-            except commit.Incomplete:
+                commit.verify(local, name, step)  # checksums too: these bytes get loaded
+                local_ok = all(
+                    local.read_bytes(local.path(name, commit.marker_name(r)))
+                    == self.remote.read_bytes(self.remote.path(name, commit.marker_name(r)))
+                    for r in commit.markers_present(local, name))
+            except (commit.Incomplete, OSError):
                 pass
-        return str(self.staging / name) if self._all_true(local_ok) else self.remote.path(name)
+        if self._all_true(local_ok):
+            return str(self.staging / name)
+        return self.remote.url_of(name)
 
     def has_any_checkpoint(self) -> bool:
         return bool(commit.committed_steps(self.remote))

@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -67,8 +68,8 @@ def read_metadata_file(checkpoint_dir: Path) -> Metadata:
         return load_metadata(f)
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader with the restricted unpickler for `.metadata`."""
+class _SafeMetadata:
+    """DCP's `read_metadata`, with the restricted unpickler for `.metadata`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -78,6 +79,18 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+    """DCP's local-path reader, loading nothing that runs code."""
+
+
+class SafeFsspecReader(_SafeMetadata, FsspecReader):
+    """DCP's fsspec reader (s3://, gs://, ...), loading nothing that runs code."""
+
+
+def safe_reader(path: str, local: bool) -> FileSystemReader:
+    return SafeFileSystemReader(path) if local else SafeFsspecReader(path)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

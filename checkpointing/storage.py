@@ -58,6 +58,11 @@ class Store:
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
 
+    def url_of(self, *parts: str) -> str:
+        """`path(...)` with its protocol, for readers that open it themselves."""
+        path = self.path(*parts)
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
     def makedirs(self, path: str) -> None:
         self.fs.makedirs(path, exist_ok=True)
 

@@ -1,1 +1,1 @@
-"""The input pipeline: image folders, sample order, datasets, loaders, synthetic data."""
+"""The input pipeline: volume, node cache, index, sample order, datasets, loaders, ledger."""

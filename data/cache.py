@@ -4,7 +4,7 @@ Layout under `cache_dir`:
 
     objects/<k[:2]>/<k>   cached files: the payload, then a footer (magic, length, crc32)
     locks/<k[:3]>         fetch locks (4096 stripes), so one process fetches, others wait
-    state.lock, usage     the byte ledger of everything in objects/, guarded by flock
+    state.lock, usage     the byte ledger of everything in objects/, guarded by a file lock
 
 The bookkeeping lives on disk because the readers are separate processes. A file is fetched
 from the volume at most once per node: a reader that misses takes the key's lock, looks
@@ -88,7 +88,7 @@ class NodeCache:
         data = self._read_valid(path)
         if data is not None:
             return data, Lookup(True, 0)
-        with self._flock(self._stripe(key)):
+        with self._lock(self._stripe(key)):
             data = self._read_valid(path)  # another process may have fetched it meanwhile
             if data is not None:
                 return data, Lookup(True, 0)
@@ -101,7 +101,7 @@ class NodeCache:
         volume."""
         if self._object(key).exists():
             return 0
-        with self._flock(self._stripe(key)):
+        with self._lock(self._stripe(key)):
             path = self._object(key)
             if path.exists():
                 return 0
@@ -133,7 +133,7 @@ class NodeCache:
                 return blob
         log.warning("cache file %s is truncated or corrupt: dropping it and fetching again",
                     path)
-        with self._flock(self.root / "state.lock"):
+        with self._lock(self.root / "state.lock"):
             path.unlink(missing_ok=True)
             self._recount()  # its booked size is unknown now that the file is damaged
         return None
@@ -157,7 +157,7 @@ class NodeCache:
                 os.replace(tmp, path)
                 return
             except OSError as err:
-                with self._flock(self.root / "state.lock"):
+                with self._lock(self.root / "state.lock"):
                     tmp.unlink(missing_ok=True)
                     self._add_usage(-size)
                     if err.errno != errno.ENOSPC:
@@ -178,7 +178,7 @@ class NodeCache:
     def _reserve(self, size: int, tmp: Path) -> bool:
         """Book `size` bytes and create the (empty) fill file `tmp`, in one step under the
         lock; False when the bytes do not fit even after eviction."""
-        with self._flock(self.root / "state.lock"):
+        with self._lock(self.root / "state.lock"):
             if self._usage() + size > self.limit_bytes:
                 self._evict(self._usage() + size - int(self.limit_bytes * LOW_WATERMARK))
             if self._usage() + size > self.limit_bytes:
@@ -242,11 +242,11 @@ class NodeCache:
     def reconcile(self) -> None:
         """Recount the ledger from disk. Run once per process start: a crash between a
         reservation and its fill would otherwise leak budget forever."""
-        with self._flock(self.root / "state.lock"):
+        with self._lock(self.root / "state.lock"):
             self._recount()
 
     def usage_bytes(self) -> int:
-        with self._flock(self.root / "state.lock"):
+        with self._lock(self.root / "state.lock"):
             return self._usage()
 
     def _usage(self) -> int:
@@ -276,12 +276,21 @@ class NodeCache:
         return self.root / "locks" / key[:3]
 
     @contextmanager
-    def _flock(self, path: Path) -> Iterator[None]:
-        # flock locks belong to an open file description, so this excludes other threads of
-        # this process as well as other processes.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def _lock(self, path: Path) -> Iterator[None]:
+        """An exclusive lock on `path` against other processes and this one's threads.
+
+        flock locks belong to an open file description, so each call's own open() excludes
+        other threads too. A fork while the lock is held (a DataLoader worker starting
+        while a prefetch thread holds one) shares the description with the child, so the
+        lock is dropped by an explicit unlock, never by close() alone: the child's copy of
+        the descriptor would otherwise hold it for the child's lifetime.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)

@@ -313,3 +313,26 @@ def test_options_are_validated():
         CheckpointOptions(dir="x", keep_last=1)
     with pytest.raises(ValueError, match="async_mode"):
         CheckpointOptions(dir="x", async_mode="threads")
+
+
+def test_a_checkpoint_dir_on_an_fsspec_url_round_trips(tmp_path):
+    url = f"memory://ckpt-{tmp_path.name}"
+    job = Job()
+    mgr = CheckpointManager(CheckpointOptions(dir=url, async_mode="thread"))
+    mgr.save(1, job.state())
+    mgr.close()
+    fresh = CheckpointManager(CheckpointOptions(dir=url))  # a new node: no local copy
+    other = Job(seed=9)
+    assert fresh.load_latest(other.state()) == 1
+    assert same(other.snapshot(), job.snapshot())
+
+
+def test_a_damaged_local_copy_is_not_loaded(tmp_path):
+    job = Job()
+    options = dict(async_mode="off", staging_dir=str(tmp_path / "stage"))
+    mgr = manager(tmp_path / "ckpt", **options)
+    mgr.save(1, job.state())
+    flip_byte(tmp_path / "stage" / "step_000000001" / "__0_0.distcp")
+    other = Job(seed=9)
+    assert manager(tmp_path / "ckpt", **options).load_latest(other.state()) == 1
+    assert same(other.snapshot(), job.snapshot())  # read from the verified remote copy

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose_config, run_train, tiny_overrides
-from data.dataset import JpegFolderDataset, index_folder
-from data.loader import make_loader
+from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
@@ -42,18 +39,18 @@ def test_every_config_composes(override):
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_builds_its_model_and_data(experiment, tiny_root):
-    cfg = compose_config([f"+experiment={experiment}", *tiny_overrides(tiny_root)])
-    root = Path(cfg.data.root)
-    train_set = JpegFolderDataset(index_folder(root / "train"), cfg.data.image_size, True,
-                                  cfg.seed, cfg.data.crop_scale_min)
+def test_every_experiment_builds_its_model_and_data(experiment, tiny_root, tmp_path):
+    cfg = compose_config([f"+experiment={experiment}", *tiny_overrides(tiny_root),
+                          f"data.cache_dir={tmp_path / 'cache'}"])
+    train_set, _ = build_datasets(cfg.data, cfg.seed)
     plan = BatchPlan(len(train_set), cfg.data.global_batch_size)
-    loader = make_loader(train_set, GlobalBatchSampler(plan, cfg.seed), 0, 2, False)
-    images, labels, indices = next(iter(loader))
-    assert images.shape == (plan.micro_batch_size, 3, cfg.data.image_size, cfg.data.image_size)
-    assert images.dtype == torch.uint8
+    loader = build_loader(train_set, GlobalBatchSampler(plan, cfg.seed), cfg.data, False)
+    batch = next(iter(loader))
+    size = cfg.data.image_size
+    assert batch.images.shape == (plan.micro_batch_size, 3, size, size)
+    assert batch.images.dtype == torch.uint8
     model = build_model(cfg.model, train_set.num_classes)
-    assert model(images.float()).shape == (plan.micro_batch_size, train_set.num_classes)
+    assert model(batch.images.float()).shape == (plan.micro_batch_size, train_set.num_classes)
 
 
 def test_overrides_reach_the_optimizer_and_scheduler():

@@ -4,31 +4,20 @@ http:// URL served by a local HTTP server. The servers' own request logs are the
 from __future__ import annotations
 
 import re
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, List
+from typing import Callable, Iterator, List
 
 import pytest
 
-from conftest import run_train, tiny_overrides
-
-pytestmark = pytest.mark.skipif(shutil.which("rclone") is None or
-                                shutil.which("fusermount3") is None,
-                                reason="needs rclone and fuse3 (.ci/run installs them)")
+from conftest import free_port, rclone_mount, run_train, tiny_overrides
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(ready, what: str, deadline_s: float = 30) -> None:
+def wait_until(ready: Callable[[], bool], what: str, deadline_s: float = 30) -> None:
     """Poll for a server to come up (a start-up wait, not an assertion about speed)."""
     end = time.monotonic() + deadline_s
     while not ready():
@@ -46,22 +35,9 @@ def port_open(port: int) -> bool:
 def webdav_mount(tiny_root: Path, tmp_path: Path) -> Iterator[tuple]:
     """(mount point, server log): the tiny dataset served over WebDAV and FUSE-mounted,
     with rclone's own caching off so every read of the mount reaches the server."""
-    port, log, mnt = free_port(), tmp_path / "server.log", tmp_path / "mnt"
-    mnt.mkdir()
-    server = subprocess.Popen(["rclone", "serve", "webdav", str(tiny_root), "--addr",
-                               f"127.0.0.1:{port}", "-v", "--log-file", str(log)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: port_open(port), "rclone serve webdav")
-        subprocess.run(["rclone", "mount", ":webdav:", str(mnt), "--webdav-url",
-                        f"http://127.0.0.1:{port}", "--vfs-cache-mode", "off", "--daemon"],
-                       check=True, capture_output=True, timeout=60)
-        wait_until(lambda: (mnt / "train").is_dir(), "rclone mount")
+    log = tmp_path / "server.log"
+    with rclone_mount(tiny_root, tmp_path / "mnt", server_log=log) as mnt:
         yield mnt, log
-    finally:
-        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def gets(log: Path, pattern: str) -> Counter:
