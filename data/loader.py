@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Deque, Iterable, Iterator, List, NamedTuple, Optional
 
 import torch
@@ -44,7 +45,7 @@ def collate_samples(samples: List[Sample]) -> Batch:
 
 class PrefetchingBatches(torch.utils.data.Sampler[List[Key]]):
     """Passes batches of keys through unchanged, and meanwhile has `threads` threads fetch
-    the files of the next `lookahead` batches into the node cache.
+    the files of the next `lookahead` batches into the node cache (in order).
 
     The DataLoader draws keys only as it dispatches work, so the look-ahead is bounded: at
     most `lookahead` batches beyond what the workers were given.
@@ -56,10 +57,15 @@ class PrefetchingBatches(torch.utils.data.Sampler[List[Key]]):
         self.threads, self.lookahead = threads, lookahead
 
     def __iter__(self) -> Iterator[List[Key]]:
-        # A generator: the pool starts at the first draw, after the workers have forked.
+        # A generator: the threads start at the first draw, after the workers have forked.
+        # Plain daemon threads, not concurrent.futures: its exit hook joins every pool thread
+        # it knows of, in DataLoader workers forked later too, which then hung at exit.
         upcoming = iter(self.batches)
         ahead: Deque[List[Key]] = deque()
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="prefetch")
+        todo: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
+        for k in range(self.threads):
+            threading.Thread(target=self._drain, args=(todo,), name=f"prefetch-{k}",
+                             daemon=True).start()
         try:
             while True:
                 while len(ahead) <= self.lookahead:
@@ -68,12 +74,19 @@ class PrefetchingBatches(torch.utils.data.Sampler[List[Key]]):
                         break
                     ahead.append(batch)
                     for _, i in batch:
-                        pool.submit(self._warm, i)
+                        todo.put(i)
                 if not ahead:
                     return
                 yield ahead.popleft()
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            while not todo.empty():  # cancel what is not started
+                todo.get_nowait()
+            for _ in range(self.threads):
+                todo.put(None)
+
+    def _drain(self, todo: "queue.SimpleQueue[Optional[int]]") -> None:
+        while (i := todo.get()) is not None:
+            self._warm(i)
 
     def _warm(self, i: int) -> None:
         try:

@@ -94,7 +94,7 @@ def test_one_epoch_covers_every_readable_sample_once_for_any_world_and_workers(
     assert len(readable) < len(full)  # the dataset's bad files did land in this epoch
 
 
-@pytest.mark.parametrize("stop, world, workers", [(2, 3, 2), (8, 2, 0)])
+@pytest.mark.parametrize("stop, world, workers", [(2, 3, 2), (6, 3, 0), (8, 2, 2)])
 def test_resume_on_another_world_size_gives_the_same_samples_and_pixels(
         flawed_root, tmp_path, stop, world, workers):
     total = 12  # two epochs of 6 steps

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, List
 import pytest
 
 from conftest import free_port, rclone_mount, run_train, tiny_overrides
+from data.ledger import read_ledger
 
 
 def wait_until(ready: Callable[[], bool], what: str, deadline_s: float = 30) -> None:
@@ -49,8 +50,8 @@ def jpegs(root: Path) -> List[str]:
     return sorted(f"/{p.relative_to(root)}" for p in root.rglob("*.jpg"))
 
 
-def train_from(root: str, tmp_path: Path, *extra: str) -> None:
-    result = run_train(["+experiment=resnet", *tiny_overrides(root), "logger=none",
+def train_from(root: str, tmp_path: Path, *extra: str, logger: str = "logger=none") -> None:
+    result = run_train(["+experiment=resnet", *tiny_overrides(root), logger,
                         "data.num_workers=2", "checkpoint.enabled=false",
                         f"run.root={tmp_path / 'runs'}", *extra], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -89,9 +90,30 @@ def http_server(tiny_root: Path, tmp_path: Path) -> Iterator[tuple]:
 
 
 def test_training_from_an_http_url_through_fsspec(http_server, tiny_root, tmp_path):
+    """Two epochs from http://; also what the run reports: the data metrics in MLflow, and
+    the audit ledger, which must show every sample exactly once per epoch."""
     url, log = http_server
-    train_from(url, tmp_path, f"data.cache_dir={tmp_path / 'cache'}")
+    db, ledger = tmp_path / "mlflow.db", tmp_path / "ledger.jsonl"
+    train_from(url, tmp_path, f"data.cache_dir={tmp_path / 'cache'}", f"audit.ledger={ledger}",
+               logger=f"logger.tracking_uri=sqlite:///{db}")
     assert gets(log, r'"GET (/\S+\.jpg) HTTP') == Counter({f: 1 for f in jpegs(tiny_root)})
+
+    records = read_ledger(ledger)
+    assert sorted(records) == [(step, 0) for step in range(1, 13)]
+    for epoch in (0, 1):
+        seen = [i for r in records.values() if r["epoch"] == epoch for i in r["samples"]]
+        assert sorted(seen) == list(range(120))
+
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    run, = client.search_runs([client.get_experiment_by_name("goodput-trainer").experiment_id])
+    metrics = run.data.metrics
+    train_bytes = sum(p.stat().st_size for p in (tiny_root / "train").rglob("*.jpg"))
+    assert metrics["data/volume_bytes"] == train_bytes  # rank 0's reads: each file once
+    assert metrics["data/cache_hit_ratio"] == 1.0  # the last window: all from the cache
+    assert metrics["data/bad_files"] == 0
+    for key in ("data/fetch_seconds", "data/fetch_seconds_p99", "data/first_batch_seconds"):
+        assert key in metrics
 
 
 def test_an_unreachable_volume_is_one_clear_line(tmp_path):
