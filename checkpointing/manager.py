@@ -19,7 +19,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -257,14 +257,16 @@ class CheckpointManager:
     # ---- load ----
 
     def load_latest(self, state: Dict[str, Any],
-                    optional_keys: Callable[[int], List[str]] = lambda world: []
+                    optional_keys: Callable[[int], List[str]] = lambda world: [],
+                    header: Sequence[str] = (), check_header: Callable[[], None] = lambda: None
                     ) -> Optional[int]:
         """Load the newest complete checkpoint into `state`; its step, or None if none.
 
         Every rank loads the same step: rank 0 picks it after verifying checksums. One that
         still fails to load (e.g. a re-signed hostile pickle) is skipped like an incomplete
         one. `optional_keys(saved_world_size)` names top-level keys to leave out of the load
-        (e.g. per-rank RNG when the world size changed).
+        (e.g. per-rank RNG when the world size changed). The `header` keys load first and
+        `check_header()` may refuse the checkpoint (by raising) before anything else loads.
         """
         candidates = commit.find_complete(self.remote, log) if self.rank == 0 else iter(())
         while True:
@@ -276,10 +278,15 @@ class CheckpointManager:
             remote_url = self.remote.url_of(commit.step_dir_name(step))
             skip = set(optional_keys(saved_world))
             start = time.perf_counter()
+            parts = [{k: state[k] for k in header},
+                     {k: v for k, v in state.items() if k not in skip and k not in header}]
             try:
-                dcp.load({k: v for k, v in state.items() if k not in skip},
-                         storage_reader=safe_reader(source, local=source != remote_url),
-                         planner=SafeLoadPlanner(), **self._dcp_kwargs())
+                for i, part in enumerate(parts):
+                    if part:
+                        dcp.load(part, storage_reader=safe_reader(source, source != remote_url),
+                                 planner=SafeLoadPlanner(), **self._dcp_kwargs())
+                    if i == 0:
+                        check_header()
             except CheckpointException as err:
                 failure = next(iter(err.failures.values()))
                 cause = str(getattr(failure, "exception", failure)).splitlines()[0]

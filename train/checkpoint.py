@@ -94,8 +94,16 @@ def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[st
         return None
     info: RunInfo = state["run"]
     current_config = dict(info.config)
+    def refuse_another_run() -> None:
+        refused = [k for k in changed_keys(info.config, current_config) if k in IDENTITY_KEYS]
+        if refused:
+            raise ConfigError(f"cannot resume {cfg.run.name}: {', '.join(refused)} changed "
+                              f"since the checkpoint (that makes it a different run): use a "
+                              f"new run.name")
+
     step = manager.load_latest(
-        state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else [])
+        state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else [],
+        header=["run"], check_header=refuse_another_run)
     if step is None:
         if exists:
             raise ConfigError(f"{cfg.checkpoint.dir} holds checkpoints but none is complete "
@@ -110,10 +118,6 @@ def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[st
         raise ConfigError(f"checkpoint step_{step:09d} records step {progress.step}: "
                           f"it was not written by this trainer")
     changed = changed_keys(info.config, current_config)
-    refused = [k for k in changed if k in IDENTITY_KEYS]
-    if refused:
-        raise ConfigError(f"cannot resume {cfg.run.name}: {', '.join(refused)} changed since "
-                          f"the checkpoint (that makes it a different run): use a new run.name")
     if changed:
         log.warning("resuming with changed config keys: %s", ", ".join(changed))
     if "rng" in state and manager.last_loaded_world_size != world.world_size:
