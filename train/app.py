@@ -98,6 +98,10 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
                               cfg.data, pin)
     checkpoints = Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step)) if manager else None
 
+    if progress.step >= loop_plan.total_steps:
+        log.info("run %s is already complete at step %d: nothing to train (raise "
+                 "trainer.max_epochs or trainer.max_steps to go on)", cfg.run.name,
+                 progress.step)
     tracker = build_tracker(cfg.logger, rank=world.rank)
     with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:
         info.mlflow_run_id = broadcast_object(run_id, world)  # every rank saves the same
