@@ -79,7 +79,7 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
 
     progress = Progress()
     info = RunInfo(mlflow_run_id=None, config=training_config(cfg))
-    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
+    state = {"model": ModelState(model, world.checkpoint_group), "optim": OptimizerState(model, optimizer),
              "scheduler": SchedulerState(scheduler), "trainer": TrainerState(progress),
              "data": DataState(progress, DataIdentity(cfg.seed, len(train_set),
                                                       cfg.data.global_batch_size)),

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -22,12 +23,23 @@ from train.errors import ConfigError
 
 
 class ModelState:
-    """Parameters and buffers (BatchNorm statistics included), valid for single/DDP/FSDP."""
+    """Parameters and buffers (BatchNorm statistics included), valid for single/DDP/FSDP.
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    With a `sync_group`, replicated buffers are broadcast from rank 0 right before they are
+    staged: between forwards, ranks' BatchNorm statistics differ, and DCP may write any
+    rank's copy of a replicated tensor (it spreads the writes), so an unsynced checkpoint
+    would mix ranks' statistics.
+    """
+
+    def __init__(self, model: torch.nn.Module,
+                 sync_group: Optional[dist.ProcessGroup] = None) -> None:
+        self.model, self.sync_group = model, sync_group
 
     def state_dict(self) -> Dict[str, Any]:
+        if self.sync_group is not None and dist.get_world_size(self.sync_group) > 1:
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, src=dist.get_global_rank(self.sync_group, 0),
+                               group=self.sync_group)
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -28,13 +28,17 @@ def main(mode: str, directory: str, out: str) -> None:
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
                                 world.rank, world.world_size, world.checkpoint_group)
     model, optimizer = build(seed=0 if mode == "save" else 99)
-    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
-             "rng": RNGState(world.rank)}
+    state = {"model": ModelState(model, world.checkpoint_group),
+             "optim": OptimizerState(model, optimizer), "rng": RNGState(world.rank)}
     if mode == "save":
+        # Every rank's BatchNorm sees its own batch, as under DDP between forwards.
+        model(torch.randn(5, 6) + world.rank)
+        rank0_running_mean = model[1].running_mean.tolist() if world.rank == 0 else None
         torch.manual_seed(1000 + world.rank)  # a different stream on every rank
         manager.save(7, state)
         manager.close()
         step = 7
+        Path(out, f"rank{world.rank}-before.json").write_text(json.dumps(rank0_running_mean))
     else:
         step = manager.load_latest(
             state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else [])
