@@ -49,7 +49,7 @@ from train.state import ModelState, OptimizerState
 MODES = {"b": "off", "c": "thread", "d": "process"}
 LABELS = {"a": "torch.save, full state", "a'": "torch.save + fsync", "b": "DCP synchronous",
           "c": "DCP async, thread", "d": "DCP async, process", "e": "limit: one memory copy"}
-TRAIN_STEPS, TRAIN_INTERVAL, TRAIN_BATCH, TRAIN_ROUNDS = 60, 5, 64, 2
+TRAIN_STEPS, TRAIN_BATCH, TRAIN_ROUNDS = 60, 64, 2
 
 
 def build_state() -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -173,8 +173,8 @@ def measure_ranks(work: Path, repeats: int) -> List[Dict[str, Any]]:
     return results
 
 
-def measure_training(work: Path) -> Dict[str, Dict[str, float]]:
-    """`python -m train` without and with checkpoints every TRAIN_INTERVAL steps: the best
+def measure_training(work: Path, interval: int) -> Dict[str, Dict[str, float]]:
+    """`python -m train` without and with checkpoints every `interval` steps: the best
     run of each; a kind whose runs all failed is left out (the failures are printed)."""
     data = work / "shapes"
     subprocess.run([sys.executable, "-m", "data.synthetic", "--out", str(data), "--num-train",
@@ -184,7 +184,7 @@ def measure_training(work: Path) -> Dict[str, Dict[str, float]]:
               "logger=none", f"trainer.max_steps={TRAIN_STEPS}",
               # one metrics window over the whole run: its images/s includes every stall
               f"trainer.log_every_steps={TRAIN_STEPS}", f"run.root={work / 'runs'}"]
-    every = f"checkpoint.interval_steps={TRAIN_INTERVAL}"
+    every = f"checkpoint.interval_steps={interval}"
     runs = {"no checkpoints": ["run.name=off", "checkpoint.enabled=false"],
             "thread": ["run.name=thread", every, "checkpoint.async_mode=thread"],
             "process": ["run.name=process", every, "checkpoint.async_mode=process"]}
@@ -212,7 +212,7 @@ def measure_training(work: Path) -> Dict[str, Dict[str, float]]:
 
 def report(stalls: Dict[str, Dict[str, float]], ranks: List[Dict[str, Any]],
            training: Dict[str, Dict[str, float]], state_mb: float,
-           repeats: int) -> None:
+           repeats: int, interval: int) -> None:
     # The machine may be shared: the load average says how much to trust small differences.
     print(f"\nResNet-50 + AdamW state: {state_mb:.1f} MB; median of {repeats} rounds after a "
           f"warm-up; torch {torch.__version__}, {os.cpu_count()} CPU cores, load average "
@@ -234,7 +234,7 @@ def report(stalls: Dict[str, Dict[str, float]], ranks: List[Dict[str, Any]],
     if "no checkpoints" in training:
         off = training["no checkpoints"]
         print(f"\npython -m train, ResNet-18 + AdamW, {TRAIN_STEPS} steps of {TRAIN_BATCH} images "
-              f"at 64 px, a checkpoint every {TRAIN_INTERVAL} steps (async thread or process) "
+              f"at 64 px, a checkpoint every {interval} steps (async thread or process) "
               f"vs none; best of {TRAIN_ROUNDS} interleaved runs each:")
         for label, r in training.items():
             overhead = ("" if r is off else f"  step-time overhead "
@@ -249,6 +249,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per method")
     parser.add_argument("--skip-training", action="store_true",
                         help="leave out the `python -m train` runs")
+    parser.add_argument("--train-interval", type=int, default=5,
+                        help="checkpoint.interval_steps of the training runs")
     parser.add_argument("--ranks-worker", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ranks_worker:
@@ -264,8 +266,8 @@ def main() -> None:
         training: Dict[str, Dict[str, float]] = {}
         if not args.skip_training:
             print("training runs ...", flush=True)
-            training = measure_training(work)
-        report(stalls, ranks, training, state_mb, args.repeats)
+            training = measure_training(work, args.train_interval)
+        report(stalls, ranks, training, state_mb, args.repeats, args.train_interval)
         print(f"\n(benchmark took {time.perf_counter() - started:.0f}s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
