@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import pickle
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -61,11 +60,6 @@ def load_metadata(stream: BinaryIO) -> Metadata:
         raise UnsafeCheckpointError(f"{METADATA_FILE} holds a {type(metadata).__name__}, "
                                     f"not DCP Metadata")
     return metadata
-
-
-def read_metadata_file(checkpoint_dir: Path) -> Metadata:
-    with open(Path(checkpoint_dir) / METADATA_FILE, "rb") as f:
-        return load_metadata(f)
 
 
 class _SafeMetadata:
