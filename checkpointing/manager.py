@@ -79,6 +79,7 @@ class CheckpointManager:
         if staging is None and not self.remote.is_local:
             staging = tempfile.mkdtemp(prefix="goodput-staging-")
         self.staging = Path(staging).resolve() if staging else None
+        self.local = Store(str(self.staging)) if self.staging else None
         self.attempt = self._agree_on_attempt_id()
         self._pending: Optional[threading.Thread] = None
         self._pending_error: Optional[BaseException] = None
@@ -170,7 +171,7 @@ class CheckpointManager:
             for p in mine:
                 self.remote.put(p, self.remote.path(partial, p.name))
                 self.fault_hook("uploading", step)
-            commit.write_marker(Store(str(self.staging)), partial, step, self.rank,
+            commit.write_marker(self.local, partial, step, self.rank,
                                 self.world_size, records)
         self.fault_hook("uploaded", step)
         commit.write_marker(self.remote, partial, step, self.rank, self.world_size, records)
@@ -178,8 +179,8 @@ class CheckpointManager:
             self._wait_for_markers(partial, step)
             self.fault_hook("committing", step)
             self._rename_into_place(self.remote, partial, step)
-            if self.staging:
-                self._rename_into_place(Store(str(self.staging)), partial, step)
+            if self.local:
+                self._rename_into_place(self.local, partial, step)
             self.apply_retention(step)
         self.last_complete_step = step
         self.last_save_seconds = time.perf_counter() - start
@@ -241,7 +242,7 @@ class CheckpointManager:
         Runs only after `newest` is complete, and counts only checkpoints whose checksums
         verify, so neither a failed save nor a rotten checkpoint can push out a good one.
         """
-        for store in [self.remote] + ([Store(str(self.staging))] if self.staging else []):
+        for store in [self.remote] + ([self.local] if self.local else []):
             kept = 0
             for step in commit.committed_steps(store):
                 complete = self._verified_once(store, step)
@@ -302,13 +303,12 @@ class CheckpointManager:
         name = commit.step_dir_name(step)
         local_ok = False
         if self.staging and (self.staging / name).is_dir():
-            local = Store(str(self.staging))
             try:
-                commit.verify(local, name, step)  # checksums too: these bytes get loaded
+                commit.verify(self.local, name, step)  # checksums too: these bytes get loaded
                 local_ok = all(
-                    local.read_bytes(local.path(name, commit.marker_name(r)))
+                    self.local.read_bytes(self.local.path(name, commit.marker_name(r)))
                     == self.remote.read_bytes(self.remote.path(name, commit.marker_name(r)))
-                    for r in commit.markers_present(local, name))
+                    for r in commit.markers_present(self.local, name))
             except (commit.Incomplete, OSError):
                 pass
         if self._all_true(local_ok):

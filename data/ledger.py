@@ -42,6 +42,12 @@ class LedgerWriter:
     def close(self) -> None:
         os.close(self._fd)
 
+    def __enter__(self) -> "LedgerWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _ends_torn(path: Path) -> bool:
     with open(path, "rb") as f:

@@ -64,7 +64,6 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size, world.world_size,
                            cfg.trainer.grad_accum_steps)
     loop_plan = make_loop_plan(cfg, batch_plan, device)
-    planned_steps = cfg.trainer.max_epochs * batch_plan.steps_per_epoch
     log.info("%d train / %d val images, %d classes; %d steps of %d (%d per epoch, %d samples "
              "dropped per epoch)", len(train_set), len(val_set), train_set.num_classes,
              loop_plan.total_steps, cfg.data.global_batch_size, batch_plan.steps_per_epoch,
@@ -74,12 +73,13 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg.optim, model)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, planned_steps,
+    scheduler = build_scheduler(cfg.scheduler, optimizer, loop_plan.planned_steps,
                                 batch_plan.steps_per_epoch)
 
     progress = Progress()
     info = RunInfo(mlflow_run_id=None, config=training_config(cfg))
-    state = {"model": ModelState(model, world.checkpoint_group), "optim": OptimizerState(model, optimizer),
+    state = {"model": ModelState(model, world.checkpoint_group),
+             "optim": OptimizerState(model, optimizer),
              "scheduler": SchedulerState(scheduler), "trainer": TrainerState(progress),
              "data": DataState(progress, DataIdentity(cfg.seed, len(train_set),
                                                       cfg.data.global_batch_size)),
@@ -96,7 +96,8 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
                                                     world.rank, world.world_size),
                               cfg.data, pin)
-    checkpoints = Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step)) if manager else None
+    checkpoints = (Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step))
+                   if manager else None)
 
     if progress.step >= loop_plan.total_steps:
         log.info("run %s is already complete at step %d: nothing to train (raise "
@@ -147,6 +148,7 @@ def make_loop_plan(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device)
         trainer.precision == Precision.auto and device.type == "cuda")
     return LoopPlan(
         total_steps=total,
+        planned_steps=planned,
         steps_per_epoch=batch_plan.steps_per_epoch,
         global_batch_size=batch_plan.global_batch_size,
         grad_accum_steps=trainer.grad_accum_steps,

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoopPlan:
     total_steps: int  # optimizer steps this run ends at
+    planned_steps: int  # trainer.max_epochs worth: what the lr schedule spans
     steps_per_epoch: int
     global_batch_size: int
     grad_accum_steps: int
@@ -73,13 +74,14 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     window = Window()
     ledger = open_ledger(plan.audit_ledger)
     first_step = position.step + 1
-    with StepProgress(plan.total_steps, position.step) as progress:
+    with ledger or nullcontext(), StepProgress(plan.total_steps, position.step) as progress:
         for step in range(first_step, plan.total_steps + 1):
             micro_batches = fetch_global_batch(batches, plan.grad_accum_steps, window)
             record_batches(train_loader, micro_batches)
             if step == first_step:
-                last["data/first_batch_seconds"] = time.perf_counter() - start
-                tracker.log_metrics({"data/first_batch_seconds": last["data/first_batch_seconds"]}, 0)
+                first = {"data/first_batch_seconds": time.perf_counter() - start}
+                tracker.log_metrics(first, 0)
+                last.update(first)
             loss = train_step(model, optimizer, micro_batches, plan)
             window.losses.append(loss)
             if ledger:

@@ -42,7 +42,8 @@ class LrSchedule:
         if self.name == SchedulerName.cosine:
             span = max(self.total_steps - self.warmup_steps, 1)
             progress = min((step - self.warmup_steps) / span, 1.0)
-            return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            cosine = 0.5 * (1 + math.cos(math.pi * progress))
+            return self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine
         if self.name == SchedulerName.step:
             return self.gamma ** (step // (self.step_epochs * self.steps_per_epoch))
         return 1.0
