@@ -94,7 +94,7 @@ def timed(fn: Callable[[], Any]) -> float:
 def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]], float]:
     """{label: {"blocked": s, "total": s}} medians over `repeats` interleaved rounds, and
     the state's size in MB."""
-    world = init_world()  # a 1-rank gloo group: async_mode=process needs one
+    world = init_world(torch.device("cpu"))  # a 1-rank gloo group: async_mode=process needs one
     model, optimizer = build_state()
     state_mb = sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer)) / 1e6
     state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
@@ -132,7 +132,7 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
 
 def ranks_worker(work: Path, repeats: int) -> None:
     """Under torchrun: every rank saves the same replicated state; rank 0 reports."""
-    world = init_world()
+    world = init_world(torch.device("cpu"))
     model, optimizer = build_state()
     state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
     manager = CheckpointManager(CheckpointOptions(dir=str(work), async_mode="off", keep_last=2),

@@ -70,8 +70,10 @@ def _hash_file(path: Path) -> FileRecord:
 class CheckpointManager:
     def __init__(self, options: CheckpointOptions, rank: int = 0, world_size: int = 1,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 fault_hook: Callable[[str, int], None] = lambda phase, step: None) -> None:
+                 fault_hook: Callable[[str, int], None] = lambda phase, step: None,
+                 local_rank: int = 0) -> None:
         self.options, self.rank, self.world_size = options, rank, world_size
+        self.local_rank = local_rank  # rank within this node: 0 cleans the node's staging
         self.group = process_group
         self.fault_hook = fault_hook  # tests and demos inject crashes at named phases
         self.remote = Store(options.dir)
@@ -182,6 +184,8 @@ class CheckpointManager:
             if self.local:
                 self._rename_into_place(self.local, partial, step)
             self.apply_retention(step)
+        elif self.local and self.local_rank == 0:
+            self._clean_local_partials(step)
         self.last_complete_step = step
         self.last_save_seconds = time.perf_counter() - start
 
@@ -202,6 +206,22 @@ class CheckpointManager:
             store.rename(store.path(final), store.path(f".{final}.replaced-{self.attempt}"))
         store.rename(store.path(partial), store.path(final))
 
+    def _clean_local_partials(self, before: Optional[int] = None) -> None:
+        """Remove this node's staging partials, but those of this attempt's saves from
+        step `before` on (None: remove all).
+
+        On every node but rank 0's nothing else removes them (rank 0 renames and retains its
+        own node's only). Race-free without a lock: DCP's save is a collective, so once this
+        rank's save of `before` is written, every rank has finished the save before it; and
+        partials of other attempts are leftovers of dead trainers (the run lock keeps out
+        live ones).
+        """
+        for name in self.local.listdir():
+            match = commit.PARTIAL_DIR.match(name)
+            if match and not (before is not None and name.endswith(f"-{self.attempt}")
+                              and int(match.group(1)) >= before):
+                self.local.remove(self.local.path(name))
+
     def wait(self) -> bool:
         """Block until the in-flight save (if any) is committed. False if it failed."""
         if self._pending is None:
@@ -218,8 +238,18 @@ class CheckpointManager:
         return False
 
     def close(self) -> None:
-        """Wait for the last save; raise if it failed (a run must end on a checkpoint)."""
-        if not self.wait():
+        """Wait for the last save; raise if it failed (a run must end on a checkpoint).
+
+        A collective when there is a staging tier: past it no rank touches staging again,
+        so each node's last partial goes too.
+        """
+        ok = self.wait()
+        if self.local:
+            if self.group is not None and self.world_size > 1:
+                dist.barrier(group=self.group)
+            if self.rank != 0 and self.local_rank == 0:
+                self._clean_local_partials()
+        if not ok:
             raise CheckpointError(f"the final checkpoint (step {self._pending_step}) failed; "
                                   f"see the error above")
 

@@ -2,9 +2,11 @@
 
 One file for all ranks. Each line is one optimizer step of one rank,
 
-    {"step": 12, "rank": 0, "epoch": 1, "samples": [dataset indices], "loss": "0x1.8p-1"}
+    {"step": 12, "rank": 0, "epoch": 1, "samples": [dataset indices], "loss": "0x1.8p-1",
+     "world": 2, "time": 1764489600.123}
 
-written with a single `os.write` on an `O_APPEND` descriptor, so lines from concurrent ranks
+(`world`: the world size that trained it; `time`: when, in seconds since the epoch; a step
+a health rollback skipped has `"loss": null, "skipped": true`), written with a single `os.write` on an `O_APPEND` descriptor, so lines from concurrent ranks
 never interleave. A crash can leave the last line torn; `read_ledger` ignores it. A resumed
 run recomputes the steps after its checkpoint and appends them again; the last record of a
 (step, rank) is the surviving history.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
@@ -21,19 +24,25 @@ import torch.distributed as dist
 
 
 class LedgerWriter:
-    def __init__(self, path: Path, rank: int) -> None:
+    def __init__(self, path: Path, rank: int, world_size: int = 1) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if _ends_torn(Path(path)):
             # End a crashed run's torn line, so our first record starts a line of its own
             # (racing ranks may add a blank line or two; readers skip them).
             os.write(self._fd, b"\n")
 
-    def record(self, step: int, epoch: int, samples: Iterable[int], loss: float) -> None:
-        line = json.dumps({"step": step, "rank": self.rank, "epoch": epoch,
-                           "samples": [int(i) for i in samples], "loss": float(loss).hex()},
-                          separators=(",", ":")) + "\n"
+    def record(self, step: int, epoch: int, samples: Iterable[int],
+               loss: Optional[float]) -> None:
+        """One line; `loss` None marks a step whose global batch was skipped."""
+        entry = {"step": step, "rank": self.rank, "epoch": epoch,
+                 "samples": [int(i) for i in samples],
+                 "loss": None if loss is None else float(loss).hex(),
+                 "world": self.world_size, "time": round(time.time(), 3)}
+        if loss is None:
+            entry["skipped"] = True
+        line = json.dumps(entry, separators=(",", ":")) + "\n"
         data = line.encode()
         written = os.write(self._fd, data)
         if written != len(data):  # a regular file takes an append whole, or the disk is full
@@ -62,9 +71,10 @@ def open_ledger(path: Optional[str], rank: Optional[int] = None) -> Optional[Led
     """A writer for `path` (None: no ledger); the rank defaults to torch.distributed's."""
     if not path:
         return None
+    distributed = dist.is_available() and dist.is_initialized()
     if rank is None:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return LedgerWriter(Path(path), rank)
+        rank = dist.get_rank() if distributed else 0
+    return LedgerWriter(Path(path), rank, dist.get_world_size() if distributed else 1)
 
 
 def read_ledger(path: Path) -> Dict[Tuple[int, int], dict]:

@@ -40,10 +40,11 @@ def tiny_overrides(root: Path) -> List[str]:
             "trainer.log_every_steps=2", "data.num_workers=0"]
 
 
-def compose_config(overrides: List[str]) -> DictConfig:
+def compose_config(overrides: List[str], return_hydra_config: bool = False) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides,
+                       return_hydra_config=return_hydra_config)
 
 
 def run_train(args: List[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -97,3 +98,26 @@ def rclone_mount(served: Path, mountpoint: Path, cache_mode: str = "off",
         subprocess.run(["fusermount", "-uz", str(mountpoint)], capture_output=True)
         server.terminate()
         server.wait(timeout=30)
+
+
+def torchrun(nproc: int, *, max_restarts: int = 0, nnodes: str = "1",
+             rdzv_endpoint: Optional[str] = None, rdzv_id: str = "test",
+             rdzv_conf: Optional[str] = None) -> List[str]:
+    """The `torchrun` launcher as a command prefix: `--standalone` unless a c10d endpoint is
+    given (then `nnodes` may be a range, as for an elastic job). Append `-m train ...`."""
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
+    if rdzv_endpoint is None:
+        return args + ["--standalone"]
+    args += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+             f"--rdzv-id={rdzv_id}"]
+    return args + ([f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else [])
+
+
+def train_env(**extra: str) -> dict:
+    """The environment a test's trainer runs in: this checkout on the path, one thread per
+    process (ranks share 2 cores), no MLflow or fault settings leaking in from outside."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MLFLOW_") and k != "GOODPUT_FAULT"}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
+    return env

@@ -18,14 +18,22 @@ from data.errors import DatasetError
 from data.loader import eval_batches
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
-from train.checkpoint import (CheckpointSchedule, Checkpointing, build_manager,
-                              omitted_state_keys, resume, training_config)
-from train.config import Device, Precision
-from train.distributed import World, broadcast_object, init_world, shutdown_world
-from train.errors import ConfigError
+from train.checkpoint import (CheckpointSchedule, Checkpointing, build_manager, resume,
+                              training_config)
+from train.config import Device, Precision, StrategyName
+from train.distributed import (World, broadcast_object, init_world, launched_by_torchrun,
+                               shutdown_world)
+from train.errors import (EXIT_CONFIG, EXIT_PREFLIGHT, ConfigError, PreflightError,
+                          TrainingError)
+from train.faults import Faults, omitted_state_keys
+from train.health import Guard, HealthMonitor, HealthState, Watchdog
+from train.launch import use_node_local_dirs
 from train.loop import LoopPlan, fit
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
+from train.parallel import full_state_dict, parallelize
+from train.preflight import preflight
+from train.runlock import hold_run_lock
 from train.state import (DataIdentity, DataState, ModelState, OptimizerState, Progress,
                          RNGState, RunInfo, SchedulerState, TrainerState)
 from train.tracking import build_tracker, describe
@@ -39,7 +47,13 @@ def run(cfg: DictConfig) -> Dict[str, float]:
         return train(cfg)
     except (ConfigError, DatasetError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_CONFIG) from None
+    except PreflightError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_PREFLIGHT) from None
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def train(cfg: DictConfig) -> Dict[str, float]:
@@ -47,9 +61,11 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     start = time.perf_counter()
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device)
-    world = init_world()
+    world = init_world(device, cfg.strategy.timeout_seconds, cfg.strategy.init_timeout_seconds)
     try:
-        return train_in_world(cfg, world, device, start)
+        with hold_run_lock(Path(cfg.run.root) / cfg.run.name, cfg.run.name, world):
+            use_node_local_dirs(cfg, world.node_rank if launched_by_torchrun() else None)
+            return train_in_world(cfg, world, device, start)
     finally:
         shutdown_world()
 
@@ -59,6 +75,9 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     run_dir = Path(cfg.run.root) / cfg.run.name
     log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
              world.world_size)
+    faults = Faults.from_env(world.rank, run_dir)  # tests and demos only (GOODPUT_FAULT)
+    if cfg.health.preflight:
+        preflight(world, device, cfg.strategy.timeout_seconds, faults)
 
     train_set, val_set = build_datasets(cfg.data, cfg.seed)
     batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size, world.world_size,
@@ -72,6 +91,8 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     model = build_model(cfg.model, train_set.num_classes).to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
+    # Before the optimizer is built: FSDP replaces the parameters with sharded ones.
+    model = parallelize(model, cfg.strategy, world, device)
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.scheduler, optimizer, loop_plan.planned_steps,
                                 batch_plan.steps_per_epoch)
@@ -83,21 +104,31 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
              "scheduler": SchedulerState(scheduler), "trainer": TrainerState(progress),
              "data": DataState(progress, DataIdentity(cfg.seed, len(train_set),
                                                       cfg.data.global_batch_size)),
-             "rng": RNGState(world.rank), "run": info}
+             "rng": RNGState(world.rank), "run": info,
+             "health": HealthState(cfg.health.median_window)}
     for key in omitted_state_keys():  # negative controls in tests only (GOODPUT_FAULT)
         del state[key]
-    manager = build_manager(cfg, world)
-    resumed_run_id = resume(cfg, manager, state, world)
+    manager = build_manager(cfg, world, faults)
+    resumed_run_id = resume(cfg, manager, state, world, faults)
+    health = HealthMonitor(cfg.health, state["health"], world.rank, run_dir,
+                           replicated=cfg.strategy.name == StrategyName.ddp)
+    health.load_skips()
+    state["health"].skipped = set(broadcast_object(sorted(state["health"].skipped), world))
 
     pin = device.type == "cuda"
-    sampler = GlobalBatchSampler(batch_plan, cfg.seed, world.rank, progress.epoch,
-                                 progress.step_in_epoch)
-    train_loader = build_loader(train_set, sampler, cfg.data, pin)
+
+    def train_loader_at(position: Progress) -> torch.utils.data.DataLoader:
+        sampler = GlobalBatchSampler(batch_plan, cfg.seed, world.rank, position.epoch,
+                                     position.step_in_epoch)
+        return build_loader(train_set, sampler, cfg.data, pin)
+
     val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
                                                     world.rank, world.world_size),
                               cfg.data, pin)
-    checkpoints = (Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step))
-                   if manager else None)
+    checkpoints = (Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step),
+                                 world.world_size, cfg.seed) if manager else None)
+    guard = Guard(health, faults,
+                  Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0))
 
     if progress.step >= loop_plan.total_steps:
         log.info("run %s is already complete at step %d: nothing to train (raise "
@@ -106,13 +137,14 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     tracker = build_tracker(cfg.logger, rank=world.rank)
     with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:
         info.mlflow_run_id = broadcast_object(run_id, world)  # every rank saves the same
-        metrics = fit(model, optimizer, scheduler, train_loader, val_loader, loop_plan,
-                      progress, checkpoints, tracker)
+        metrics = fit(model, optimizer, scheduler, train_loader_at, val_loader, loop_plan,
+                      progress, guard, checkpoints, tracker)
         if checkpoints:
             checkpoints.close()
-    if cfg.trainer.save_final_weights and world.rank == 0:
+    weights = full_state_dict(model) if cfg.trainer.save_final_weights else None  # all ranks
+    if weights is not None and world.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), run_dir / "model_final.pt")
+        torch.save(weights, run_dir / "model_final.pt")
     log.info("done in %.0fs: %s", time.perf_counter() - start,
              describe(metrics, ["train/loss", "val/loss", "val/top1"]))
     return metrics
@@ -156,6 +188,7 @@ def make_loop_plan(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device)
         autocast_dtype=torch.bfloat16 if bf16 else None,
         val_every_steps=trainer.val_every_epochs * batch_plan.steps_per_epoch,
         log_every_steps=trainer.log_every_steps,
+        image_size=cfg.data.image_size,
         grad_clip_norm=trainer.grad_clip_norm,
         label_smoothing=trainer.label_smoothing,
         audit_ledger=cfg.audit.ledger,

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -15,6 +13,7 @@ from checkpointing.manager import CheckpointManager, CheckpointOptions
 from train.config import ResumeMode
 from train.distributed import World
 from train.errors import ConfigError
+from train.faults import Faults
 from train.state import Progress, RNGState, RunInfo, changed_keys
 from train.tracking import flatten
 
@@ -22,7 +21,6 @@ log = logging.getLogger(__name__)
 
 # Changing these makes a checkpoint meaningless for the run: refuse to resume across them.
 IDENTITY_KEYS = ("model.name", "data.root")
-FAULT_ENV = "GOODPUT_FAULT"  # e.g. "kill:checkpoint:2:uploaded" (tests and demos only)
 
 
 def training_config(cfg: DictConfig) -> Dict[str, str]:
@@ -33,36 +31,8 @@ def training_config(cfg: DictConfig) -> Dict[str, str]:
             if not any(k == p or k.startswith(p + ".") for p in ignored)}
 
 
-def omitted_state_keys() -> List[str]:
-    """`GOODPUT_FAULT=omit:rng,data` leaves those keys out of every save and load: the
-    negative controls that show resume equivalence really depends on them."""
-    spec = os.environ.get(FAULT_ENV, "")
-    return spec[len("omit:"):].split(",") if spec.startswith("omit:") else []
-
-
-def save_fault_hook() -> Any:
-    """SIGKILL this process at a named phase of the N-th save, when GOODPUT_FAULT asks.
-
-    `kill:checkpoint:N:PHASE` with PHASE one of written, uploading, uploaded, committing.
-    """
-    spec = os.environ.get(FAULT_ENV, "")
-    parts = spec.split(":")
-    if len(parts) != 4 or parts[:2] != ["kill", "checkpoint"]:
-        return lambda phase, step: None
-    target, phase_wanted = int(parts[2]), parts[3]
-    seen = {"count": 0}
-
-    def hook(phase: str, step: int) -> None:
-        if phase == "written":
-            seen["count"] += 1
-        if seen["count"] == target and phase == phase_wanted:
-            log.warning("fault injection: SIGKILL during checkpoint %d (%s)", step, phase)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
-
-
-def build_manager(cfg: DictConfig, world: World) -> Optional[CheckpointManager]:
+def build_manager(cfg: DictConfig, world: World,
+                  faults: Faults) -> Optional[CheckpointManager]:
     ck = cfg.checkpoint
     if not ck.enabled:
         return None
@@ -73,11 +43,11 @@ def build_manager(cfg: DictConfig, world: World) -> Optional[CheckpointManager]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return CheckpointManager(options, world.rank, world.world_size, world.checkpoint_group,
-                             fault_hook=save_fault_hook())
+                             fault_hook=faults.save_hook(), local_rank=world.local_rank)
 
 
 def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[str, Any],
-           world: World) -> Optional[str]:
+           world: World, faults: Faults) -> Optional[str]:
     """Load the newest complete checkpoint into `state` as `checkpoint.resume` says.
 
     Returns the MLflow run id to keep logging into (None for a fresh start).
@@ -101,9 +71,9 @@ def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[st
                               f"since the checkpoint (that makes it a different run): use a "
                               f"new run.name")
 
-    step = manager.load_latest(
-        state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else [],
-        header=["run"], check_header=refuse_another_run)
+    faults.at_load()
+    step = manager.load_latest(state, optional_keys=rng_if_resized(world.world_size),
+                               header=["run"], check_header=refuse_another_run)
     if step is None:
         if exists:
             raise ConfigError(f"{cfg.checkpoint.dir} holds checkpoints but none is complete "
@@ -120,11 +90,21 @@ def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[st
     changed = changed_keys(info.config, current_config)
     if changed:
         log.warning("resuming with changed config keys: %s", ", ".join(changed))
-    if "rng" in state and manager.last_loaded_world_size != world.world_size:
-        rng: RNGState = state["rng"]
-        rng.rederive(cfg.seed, step)
+    rederive_rng_if_resized(manager, state, world.world_size, cfg.seed, step)
     run_id, info.config = info.mlflow_run_id, current_config
     return run_id
+
+
+def rng_if_resized(world_size: int) -> Callable[[int], List[str]]:
+    """Per-rank RNG streams only map onto ranks at the world size that saved them."""
+    return lambda saved_world_size: ["rng"] if saved_world_size != world_size else []
+
+
+def rederive_rng_if_resized(manager: CheckpointManager, state: Dict[str, Any],
+                            world_size: int, seed: int, step: int) -> None:
+    if "rng" in state and manager.last_loaded_world_size != world_size:
+        rng: RNGState = state["rng"]
+        rng.rederive(seed, step)
 
 
 class CheckpointSchedule:
@@ -159,8 +139,9 @@ class Checkpointing:
     """The loop's handle on checkpoints: save when due, report what it cost."""
 
     def __init__(self, manager: CheckpointManager, state: Dict[str, Any],
-                 schedule: CheckpointSchedule) -> None:
+                 schedule: CheckpointSchedule, world_size: int, seed: int) -> None:
         self.manager, self.state, self.schedule = manager, state, schedule
+        self.world_size, self.seed = world_size, seed
 
     def due(self, step: int, final: bool) -> bool:
         return self.schedule.due(step, final)
@@ -170,6 +151,15 @@ class Checkpointing:
         self.manager.save(step, self.state)
         self.schedule.saved(step, self.manager)
         return self.manager.last_stall_seconds
+
+    def roll_back(self) -> Optional[int]:
+        """Load the newest complete checkpoint into the live state (None: there is none)."""
+        self.manager.wait()  # a save in flight holds a good, newer state: let it land
+        step = self.manager.load_latest(self.state, rng_if_resized(self.world_size))
+        if step is not None:
+            rederive_rng_if_resized(self.manager, self.state, self.world_size, self.seed, step)
+            self.schedule.last_save_step = step
+        return step
 
     def metrics(self) -> Dict[str, float]:
         return {"checkpoint/save_seconds": self.manager.last_save_seconds,

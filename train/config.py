@@ -18,6 +18,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from data.errors import OnBadFile
+from train.launch import register_resolvers as register_launch_resolvers
 
 
 class Device(str, Enum):
@@ -55,6 +56,12 @@ class ResumeMode(str, Enum):
     never = "never"  # refuse to start where checkpoints exist
 
 
+class StrategyName(str, Enum):
+    single = "single"  # one process
+    ddp = "ddp"  # DistributedDataParallel: replicated parameters, averaged gradients
+    fsdp = "fsdp"  # FSDP2 fully_shard: parameters, gradients and optimizer state sharded
+
+
 class LoggerName(str, Enum):
     mlflow = "mlflow"
     none = "none"
@@ -77,6 +84,10 @@ DEFAULT_RUN_NAME_EXCLUDES = [
     "data.read_retries",
     "data.retry_backoff_seconds",
     "data.reindex",
+    "strategy.timeout_seconds",
+    "strategy.init_timeout_seconds",
+    "health.hang_seconds",
+    "health.preflight",
     "audit",
     "checkpoint",
     "logger",
@@ -134,7 +145,22 @@ class DataConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = "single"
+    name: StrategyName = StrategyName.single
+    # ddp: gradients are all-reduced in buckets of this size while backward still runs.
+    ddp_bucket_cap_mb: float = 25.0
+    # fsdp: modules of these classes (by class name) are sharded as units of their own, so
+    # only one block's parameters are gathered at a time; what is left goes to the root.
+    fsdp_wrap: List[str] = field(
+        default_factory=lambda: ["BasicBlock", "Bottleneck", "TinyBlock"])
+    # fsdp: free gathered parameters after each unit's forward (and gather them again for
+    # backward): less memory for one more all-gather per unit.
+    fsdp_reshard_after_forward: bool = True
+    # Process-group creation and every collective give up after this long (never torch's
+    # 30-minute default): a dead or frozen peer ends the group, and torchrun restarts it.
+    timeout_seconds: float = 300.0
+    # Joining the group: peers may still be starting (importing torch, loading data), so
+    # this is longer; a rank that never shows up still fails the round after it.
+    init_timeout_seconds: float = 600.0
 
 
 @dataclass
@@ -202,6 +228,20 @@ class AuditConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Rollback on bad steps, replica checks, and the hang watchdog (train/health.py)."""
+
+    enabled: bool = True
+    spike_factor: float = 10.0  # a loss above this x the running median is a spike
+    median_window: int = 50  # steps in that running median (saved in checkpoints)
+    min_history: int = 10  # spikes are only judged once the window holds this many losses
+    max_rollbacks: int = 3  # per process lifetime; one more bad step fails the run
+    replica_check_steps: int = 100  # DDP: compare a parameter checksum across ranks; 0 = off
+    hang_seconds: float = 600.0  # a rank with no progress for this long dumps stacks, exits
+    preflight: bool = True  # check the device and the collectives before training
+
+
+@dataclass
 class Config:
     seed: int = 0
     run: RunConfig = field(default_factory=RunConfig)
@@ -214,6 +254,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 def _matches(key: str, prefixes: List[str]) -> bool:
@@ -258,7 +299,8 @@ def _resolve_run_name(*, _root_: Any) -> str:
 
 
 def register_configs() -> None:
-    """Register the schema and the run-name resolver; safe to call more than once."""
+    """Register the schema and the resolvers; safe to call more than once."""
     if not OmegaConf.has_resolver("goodput.run_name"):
         OmegaConf.register_new_resolver("goodput.run_name", _resolve_run_name)
+    register_launch_resolvers()
     ConfigStore.instance().store(name="base_config", node=Config)

@@ -6,17 +6,21 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from data.dataset import normalize
-from data.ledger import open_ledger
+from data.ledger import LedgerWriter, open_ledger
 from data.loader import Batch
 from data.metrics import data_metrics, record_batches
 from train.checkpoint import Checkpointing
+from train.errors import TrainingError
+from train.health import Guard
+from train.parallel import gradient_sync, runs_in_lockstep
 from train.progress import StepProgress
 from train.state import Progress
 from train.tracking import NullTracker, describe
@@ -35,6 +39,7 @@ class LoopPlan:
     autocast_dtype: Optional[torch.dtype]  # None = full precision
     val_every_steps: int
     log_every_steps: int
+    image_size: int  # data.image_size: the shape of stand-in forwards (runs_in_lockstep)
     grad_clip_norm: Optional[float] = None
     label_smoothing: float = 0.0
     audit_ledger: Optional[str] = None  # audit.ledger: a JSON line per step per rank
@@ -62,31 +67,52 @@ class Window:
 
 
 def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler, train_loader: torch.utils.data.DataLoader,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        train_loader_at: Callable[[Progress], torch.utils.data.DataLoader],
         val_loader: torch.utils.data.DataLoader, plan: LoopPlan, position: Progress,
-        checkpoints: Optional[Checkpointing] = None,
+        guard: Guard, checkpoints: Optional[Checkpointing] = None,
         tracker: NullTracker = NullTracker()) -> Dict[str, float]:
     """Train from `position` to `plan.total_steps` optimizer steps; returns the last metrics
     of each kind."""
     last: Dict[str, float] = {}
+    train_loader = train_loader_at(position)
     batches = iter(train_loader)
     start = time.perf_counter()
     window = Window()
     ledger = open_ledger(plan.audit_ledger)
     first_step = position.step + 1
-    with ledger or nullcontext(), StepProgress(plan.total_steps, position.step) as progress:
-        for step in range(first_step, plan.total_steps + 1):
+    step = position.step
+    with ledger or nullcontext(), StepProgress(plan.total_steps, position.step) as progress, \
+            guard.watchdog:
+        while step < plan.total_steps:
+            step += 1
+            guard.watchdog.beat()
             micro_batches = fetch_global_batch(batches, plan.grad_accum_steps, window)
             record_batches(train_loader, micro_batches)
             if step == first_step:
                 first = {"data/first_batch_seconds": time.perf_counter() - start}
                 tracker.log_metrics(first, 0)
                 last.update(first)
-            loss = train_step(model, optimizer, micro_batches, plan)
+            if guard.health.skipped(step):  # a rollback ruled this global batch out
+                record_step(ledger, plan, step, micro_batches, loss=None)
+                scheduler.step()
+                position.advance(plan.steps_per_epoch)
+                continue
+
+            guard.faults.at_step(step)
+            loss, grad_norm = train_step(model, optimizer, micro_batches, plan)
+            loss = guard.faults.poison_loss(step, loss)
+            guard.faults.after_step(step, model)
+            bad_batch = guard.health.check_step(step, loss, grad_norm)
+            drift = None if bad_batch else guard.health.check_replicas(step, model)
+            if bad_batch or drift:  # only a bad batch is skipped: drift is not the data's fault
+                step = roll_back(bad_batch or drift, step, guard, checkpoints, tracker,
+                                 skip=bool(bad_batch))
+                train_loader = train_loader_at(position)
+                batches, window = iter(train_loader), Window()
+                continue
             window.losses.append(loss)
-            if ledger:
-                ledger.record(step, (step - 1) // plan.steps_per_epoch,
-                              torch.cat([b.indices for b in micro_batches]).tolist(), loss.item())
+            record_step(ledger, plan, step, micro_batches, loss)
             scheduler.step()
             position.advance(plan.steps_per_epoch)
 
@@ -106,12 +132,42 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 window = Window()
 
             if step % plan.val_every_steps == 0 or step == plan.total_steps:
-                metrics = evaluate(model, val_loader, plan)
+                metrics = evaluate(model, val_loader, plan, guard.watchdog.beat)
                 tracker.log_metrics(metrics, step)
                 log.info("step %d epoch %.2f: %s", step, step / plan.steps_per_epoch,
                          describe(metrics))
                 last.update(metrics)
     return last
+
+
+def record_step(ledger: Optional[LedgerWriter], plan: LoopPlan, step: int,
+                micro_batches: List[Batch], loss: Optional[torch.Tensor]) -> None:
+    """The audit ledger's line for this rank's part of `step` (loss None: skipped)."""
+    if ledger:
+        samples = torch.cat([b.indices for b in micro_batches]).tolist()
+        ledger.record(step, (step - 1) // plan.steps_per_epoch, samples,
+                      None if loss is None else loss.item())
+
+
+def roll_back(problem: str, step: int, guard: Guard, checkpoints: Optional[Checkpointing],
+              tracker: NullTracker, skip: bool) -> int:
+    """Every rank: back to the newest complete checkpoint, with `step`'s global batch
+    skipped from now on if `skip`. Returns the step the checkpoint was taken at."""
+    guard.health.count_rollback()  # fails the run past health.max_rollbacks
+    if skip:
+        guard.health.skip(step)
+    restored = checkpoints.roll_back() if checkpoints else None
+    if restored is None:
+        raise TrainingError(f"{problem}, and no checkpoint to roll back to: run the same "
+                            f"command again (torchrun --max-restarts does it by itself)"
+                            + (f"; step {step}'s global batch will be skipped" if skip else ""))
+    log.warning("%s: rolled back to step %d%s (rollback %d of at most %d)", problem, restored,
+                f"; step {step}'s global batch is skipped" if skip else "",
+                guard.health.rollbacks, guard.health.cfg.max_rollbacks)
+    tracker.log_metrics({"health/rollbacks": float(guard.health.rollbacks)}, step)
+    if skip:
+        tracker.log_metrics({"health/skipped_step": float(step)}, step)
+    return restored
 
 
 def fetch_global_batch(batches: Iterator[Batch], grad_accum_steps: int,
@@ -140,35 +196,79 @@ def to_device(batch: Batch, device: torch.device) -> Tuple[torch.Tensor, torch.T
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: List[Batch], plan: LoopPlan) -> torch.Tensor:
-    """One optimizer step over the micro-batches; returns the mean loss (on device)."""
+               micro_batches: List[Batch],
+               plan: LoopPlan) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over the micro-batches; returns the mean loss and the total
+    gradient norm before clipping (both 0-dim on the device; the norm is the same on every
+    rank)."""
     model.train()
     total = torch.zeros((), device=plan.device)
-    for batch in micro_batches:
-        if len(batch.labels) == 0:
-            continue  # every sample of this micro-batch was a skipped bad file
-        images, labels = to_device(batch, plan.device)
-        with autocast(plan):
-            logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=plan.label_smoothing)
-        (loss / len(micro_batches)).backward()
+    last = len(micro_batches) - 1
+    for i, batch in enumerate(micro_batches):
+        # Gradients accumulate locally; the last micro-batch's backward averages the sum.
+        with gradient_sync(model, enabled=i == last):
+            if len(batch.labels) == 0:  # every sample of it was a skipped bad file
+                if runs_in_lockstep(model):  # the other ranks' backward waits for this one's
+                    (stand_in_forward(model, plan).sum() * 0).backward()
+                continue
+            images, labels = to_device(batch, plan.device)
+            with autocast(plan):
+                logits = model(images)
+            loss = F.cross_entropy(logits.float(), labels,
+                                   label_smoothing=plan.label_smoothing)
+            (loss / len(micro_batches)).backward()
         total += loss.detach() / len(micro_batches)
-    if plan.grad_clip_norm:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), plan.grad_clip_norm)
+    # With no limit, clip_grad_norm_ only measures. Under FSDP each rank holds shards, and
+    # the norm is a DTensor still to be summed over ranks.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                               plan.grad_clip_norm or float("inf"))
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    return total, grad_norm
+
+
+def stand_in_forward(model: torch.nn.Module, plan: LoopPlan) -> torch.Tensor:
+    """A forward of one blank image, for a rank that has no samples where the others do. In
+    eval mode, so it leaves BatchNorm statistics and the dropout RNG alone."""
+    was_training = model.training
+    model.eval()
+    try:
+        return model(torch.zeros(1, 3, plan.image_size, plan.image_size, device=plan.device))
+    finally:
+        model.train(was_training)
+
+
+def in_lockstep(model: torch.nn.Module, batches: Iterable[Batch],
+                device: torch.device) -> Iterator[Optional[Batch]]:
+    """`batches`, then None until every rank has run out of them, where the ranks' forwards
+    are collectives (they may hold different numbers of batches)."""
+    if not runs_in_lockstep(model):
+        yield from batches
+        return
+    remaining = iter(batches)
+    while True:
+        batch = next(remaining, None)
+        more = torch.tensor(batch is not None, dtype=torch.int32, device=device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more:
+            return
+        yield batch
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: torch.utils.data.DataLoader,
-             plan: LoopPlan) -> Dict[str, float]:
+def evaluate(model: torch.nn.Module, loader: torch.utils.data.DataLoader, plan: LoopPlan,
+             beat: Callable[[], None] = lambda: None) -> Dict[str, float]:
     """Mean loss and top-1 over the whole validation split (summed over ranks)."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=plan.device)  # loss, correct, count
-    for batch in loader:
-        if len(batch.labels) == 0:
-            continue  # only skipped bad files
+    for batch in in_lockstep(model, loader, plan.device):
+        beat()  # evaluating is progress: the hang watchdog must not fire on a long pass
+        if batch is None or len(batch.labels) == 0:  # none left, or only skipped bad files
+            if runs_in_lockstep(model):
+                stand_in_forward(model, plan)
+            continue
         images, labels = to_device(batch, plan.device)
         with autocast(plan):
             logits = model(images).float()

@@ -24,7 +24,7 @@ def build(seed: int) -> tuple:
 
 
 def main(mode: str, directory: str, out: str) -> None:
-    world = init_world(timeout_s=60)
+    world = init_world(torch.device("cpu"), timeout_s=60)
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
                                 world.rank, world.world_size, world.checkpoint_group)
     model, optimizer = build(seed=0 if mode == "save" else 99)

@@ -1,0 +1,162 @@
+"""Fault tolerance under torchrun (gloo, 2 ranks, DDP): real processes killed, frozen, spun,
+poisoned; the job must recover by itself and end exactly where an uninterrupted run ends.
+
+Each scenario runs once, serially (2 cores): a module-scoped uninterrupted reference run,
+then the faulty runs compared with it, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointing import commit
+from checkpointing.storage import Store
+from conftest import torchrun
+from faultlib import (FINAL, assert_exactly_once, finish, first_step_after, launch,
+                      ledger_records, run_job, samples_per_step, train_args, wait_for,
+                      worker_pids)
+from test_resume import assert_same_contents, checkpoint_contents
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_root, tmp_path_factory):
+    """The uninterrupted 2-rank run."""
+    root = tmp_path_factory.mktemp("reference")
+    run_job(torchrun(2), train_args(tiny_root, root))
+    return {"contents": checkpoint_contents(root / "r" / "checkpoints" / FINAL),
+            "samples": samples_per_step(root / "ledger.jsonl")}
+
+
+def assert_matches_reference(root: Path, reference: dict) -> None:
+    final = checkpoint_contents(root / "r" / "checkpoints" / FINAL)
+    assert_same_contents(final, reference["contents"])
+    assert samples_per_step(root / "ledger.jsonl") == reference["samples"]
+    assert_exactly_once(root / "ledger.jsonl")
+
+
+def steps_done(ledger: Path, since: float = 0.0) -> int:
+    return len({r["step"] for r in ledger_records(ledger) if r["time"] > since})
+
+
+def report(name: str, seconds: float) -> None:
+    """Restart-to-first-step times, for the record (`pytest -s` shows them)."""
+    print(f"\nrestart-to-first-step ({name}): {seconds:.1f}s")
+
+
+def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, reference):
+    """Kill rank 1, then (after the restart has made progress) rank 0, by PID, from
+    outside: torchrun restarts the group both times and the run ends bit-identical."""
+    ledger, ckpts = tmp_path / "ledger.jsonl", Store(str(tmp_path / "r" / "checkpoints"))
+    rng = random.Random(os.environ.get("PYTEST_SEED", "5"))
+    proc = launch(torchrun(2, max_restarts=3), train_args(tiny_root, tmp_path))
+    since = 0.0
+    for victim in (1, 0):
+        at = rng.randint(1, 3)
+        wait_for(lambda: steps_done(ledger, since) >= at and commit.committed_steps(ckpts),
+                 f"{at} steps", proc=proc)
+        pids = worker_pids(tmp_path)
+        os.kill(pids[victim], signal.SIGKILL)
+        since = time.time()
+        wait_for(lambda: steps_done(ledger, since) >= 1, "the restarted group's first step",
+                 proc=proc)
+        report(f"SIGKILL rank {victim}", first_step_after(ledger, since))
+    out = finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("resumed from") >= 2  # both restarts resumed (one line per restart)
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_sigkill_inside_background_saves(tiny_root, tmp_path, reference):
+    """Rank 0 dies while its 2nd checkpoint uploads from the staging tier, rank 1 right
+    after writing its shard of the 3rd: neither checkpoint may count as complete."""
+    fault = "kill:rank=0:save=2:phase=uploading;kill:rank=1:save=3:phase=written"
+    args = train_args(tiny_root, tmp_path, f"checkpoint.staging_dir={tmp_path / 'staging'}")
+    out = run_job(torchrun(2, max_restarts=2), args, fault=fault)
+    assert out.count("fault injection") == 2
+    assert_matches_reference(tmp_path, reference)
+    store = Store(str(tmp_path / "r" / "checkpoints"))
+    for step, _ in commit.find_complete(store):
+        assert commit.verify(store, commit.step_dir_name(step), step) == 2  # both ranks
+
+
+def test_crash_on_every_attempt_exhausts_the_restarts(tiny_root, tmp_path):
+    """An exception at step 3 on every attempt: exactly max_restarts + 1 attempts, a
+    non-zero exit, and no checkpoint past the last good step counted complete."""
+    out = run_job(torchrun(2, max_restarts=2), train_args(tiny_root, tmp_path),
+                  fault="raise:rank=1:step=3:every=1", expect=1)
+    assert out.count("InjectedFault: injected exception at step 3") == 3
+    store = Store(str(tmp_path / "r" / "checkpoints"))
+    # Step 2's save may still have been in flight when the exception ended the group.
+    complete = [s for s, _ in commit.find_complete(store)]
+    assert set(complete) <= {2}
+    for step in complete:
+        assert commit.verify(store, commit.step_dir_name(step), step) == 2
+
+
+def test_nan_and_replica_drift_roll_back_together(tiny_root, tmp_path):
+    """A NaN loss on rank 1 at step 5 and a silent parameter drift on rank 0 after step 7:
+    both ranks roll back to the last checkpoint each time, the NaN step's global batch is
+    skipped and recorded, and the run finishes finite."""
+    args = train_args(tiny_root, tmp_path, "health.replica_check_steps=2")
+    out = run_job(torchrun(2), args, fault="nan:rank=1:step=5;corrupt:rank=0:step=7")
+    assert "non-finite loss at step 5: rolled back to step 4" in out
+    assert "replica checksum mismatch at step 8 (ranks [1] differ from rank 0): rolled " \
+           "back to step 6 (rollback 2" in out  # drift is not the batch's fault: no skip
+    assert json.loads((tmp_path / "r" / "health.json").read_text())["skipped"] == [5]
+    skipped = [r for r in ledger_records(tmp_path / "ledger.jsonl") if r.get("skipped")]
+    assert sorted((r["step"], r["rank"]) for r in skipped) == [(5, 0), (5, 1)]
+    assert_exactly_once(tmp_path / "ledger.jsonl")
+    final = checkpoint_contents(tmp_path / "r" / "checkpoints" / FINAL)
+    assert all(torch.isfinite(v).all() for k, v in final.items()
+               if k.startswith("model.") and isinstance(v, torch.Tensor))
+    assert json.loads(final["health.skipped"]) == [5]
+
+
+def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, reference):
+    """A real SIGSTOP of rank 1: rank 0's collective times out after
+    strategy.timeout_seconds, torchrun replaces the group, the run ends bit-identical."""
+    ledger = tmp_path / "ledger.jsonl"
+    args = train_args(tiny_root, tmp_path, "strategy.timeout_seconds=5")
+    proc = launch(torchrun(2, max_restarts=1), args)
+    wait_for(lambda: steps_done(ledger) >= 3, "3 steps", proc=proc)
+    frozen = worker_pids(tmp_path)[1]
+    os.kill(frozen, signal.SIGSTOP)
+    since = time.time()
+    try:
+        wait_for(lambda: steps_done(ledger, since) >= 1, "the replaced group's first step",
+                 timeout=180, proc=proc)
+        report("SIGSTOP rank 1", first_step_after(ledger, since))
+        out = finish(proc)
+    finally:
+        os.kill(frozen, signal.SIGCONT) if os.path.exists(f"/proc/{frozen}") else None
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"[Tt]imed out|[Tt]imeout", out), out[-4000:]
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_a_rank_spinning_in_its_own_code_is_ended_by_its_watchdog(tiny_root, tmp_path,
+                                                                   reference):
+    """Rank 1 spins forever (GIL held, no collective pending): its watchdog dumps the
+    stacks after health.hang_seconds and exits; torchrun restarts the group."""
+    args = train_args(tiny_root, tmp_path, "health.hang_seconds=4")
+    out = run_job(torchrun(2, max_restarts=1), args, fault="hang:rank=1:step=4")
+    assert "Timeout (0:00:04)!" in out  # faulthandler's stack dump
+    assert "in at_step" in out  # ... and it shows where the rank was stuck
+    assert_matches_reference(tmp_path, reference)
+
+
+def test_preflight_failure_exits_with_its_own_code(tiny_root, tmp_path):
+    out = run_job(torchrun(2), train_args(tiny_root, tmp_path), fault="preflight:rank=1",
+                  expect=1)
+    assert "computed a wrong matrix product: replace this node" in out
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*3 ", out), out[-3000:]
+    assert not (tmp_path / "r" / "checkpoints").exists()  # nothing trained, nothing saved

@@ -1,0 +1,124 @@
+"""Launching: Hydra under torchrun (one run directory, Hydra's files from rank 0, a log file
+per rank), node-local cache and staging directories, no sweeps under torchrun, and the run
+lock, with real processes stopped and killed by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from checkpointing import commit
+from checkpointing.storage import Store
+from conftest import compose_config, free_port, torchrun
+from faultlib import (FINAL, finish, launch, ledger_records, run_job, train_args, wait_for,
+                      worker_pids)
+from test_resume import assert_same_contents, checkpoint_contents
+
+PYTHON = [sys.executable]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_root, tmp_path_factory):
+    """The final checkpoint of an uninterrupted 2-rank run."""
+    root = tmp_path_factory.mktemp("reference")
+    run_job(torchrun(2), train_args(tiny_root, root))
+    return checkpoint_contents(root / "r" / "checkpoints" / FINAL)
+
+
+@pytest.mark.parametrize("rank, subdir, job", [("0", ".hydra", "train"),
+                                               ("1", None, "train_rank1")])
+def test_only_rank_0_writes_hydra_files_and_each_rank_names_its_log(monkeypatch, rank, subdir,
+                                                                     job):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    hydra = compose_config(["+experiment=resnet"], return_hydra_config=True).hydra
+    assert hydra.output_subdir == subdir
+    assert hydra.job.name == job
+
+
+def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_path):
+    """Two torchrun agents (one rank each) meet through a c10d rendezvous: one run
+    directory (the default run name, composed on each rank), Hydra's files written once, a
+    log file per rank, and a cache and a staging directory per node, the staging tier of
+    either node left without partial checkpoints."""
+    staging = tmp_path / "staging"
+    args = [a for a in train_args(tiny_root, tmp_path, f"checkpoint.staging_dir={staging}")
+            if a != "run.name=r"]
+    prefix = torchrun(1, nnodes="2", rdzv_endpoint=f"127.0.0.1:{free_port()}")
+    agents = [launch(prefix, args) for _ in range(2)]
+    for agent in agents:
+        out = finish(agent)
+        assert agent.returncode == 0, out[-4000:]
+    [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir() and p != staging]
+    assert sorted(os.listdir(run_dir / ".hydra")) == ["config.yaml", "hydra.yaml",
+                                                        "overrides.yaml"]
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+    for rank, log in enumerate(["train.log", "train_rank1.log"]):
+        assert f"run {run_dir.name} in {run_dir} on cpu (rank {rank} of 2)" in (
+            run_dir / log).read_text()
+    assert sorted(os.listdir(run_dir / "data_cache")) == ["node_0", "node_1"]
+    assert sorted(os.listdir(staging)) == ["node_0", "node_1"]
+    # Rank 0's node drops its incomplete local copies (node 1 holds rank 1's files); node
+    # 1 cleans its own, which nothing else ever did.
+    assert os.listdir(staging / "node_0") == os.listdir(staging / "node_1") == []
+    assert commit.committed_steps(Store(str(run_dir / "checkpoints")))[0] == 12
+
+
+def test_a_sweep_under_torchrun_is_refused(tiny_root, tmp_path):
+    out = run_job(torchrun(2), ["-m", "train", "-m", *train_args(tiny_root, tmp_path)[2:],
+                                "optim.lr=0.1,0.2"], expect=1)
+    assert out.count("error: a multirun sweep (-m, or hydra.mode=MULTIRUN) cannot run under "
+                     "torchrun (WORLD_SIZE=2)") == 2
+    assert "one torchrun per job" in out and "(rank 0 of 2)" not in out
+
+
+def test_a_second_trainer_is_refused_and_a_dead_ones_lock_taken_over(tiny_root, tmp_path):
+    args = train_args(tiny_root, tmp_path)
+    ledger = tmp_path / "ledger.jsonl"
+    first = launch(PYTHON, args)
+    wait_for(lambda: ledger_records(ledger), "the first step", proc=first)
+    # Frozen, it holds the lock without finishing its few steps (or using a core) meanwhile.
+    os.killpg(first.pid, signal.SIGSTOP)
+    steps = len(ledger_records(ledger))
+    out = run_job(PYTHON, args, expect=2)
+    assert "error: run r is in use by another trainer" in out
+    assert f"pid {first.pid} on" in out and len(ledger_records(ledger)) == steps
+    os.killpg(first.pid, signal.SIGKILL)
+    finish(first)
+    out = run_job(PYTHON, args)
+    assert f"taking over from pid {first.pid} on" in out
+    assert (tmp_path / "r" / "run.lock").read_text() == ""  # released on the way out
+
+
+def test_killing_only_the_agent_leaves_orphans_that_keep_the_run_locked(tiny_root, tmp_path,
+                                                                        reference):
+    """The agent dies, its workers (each in a session of its own) live on: a relaunch is
+    refused while they live, and once they are gone it resumes to the same final bits as a
+    run that was never interrupted."""
+    args = train_args(tiny_root, tmp_path)
+    ckpts = Store(str(tmp_path / "r" / "checkpoints"))
+    agent = launch(torchrun(2), args)
+    wait_for(lambda: commit.committed_steps(ckpts), "a checkpoint", proc=agent)
+    workers = worker_pids(tmp_path)
+    assert sorted(workers) == [0, 1]
+    for pid in workers.values():  # frozen, so that they cannot finish the tiny run meanwhile
+        os.kill(pid, signal.SIGSTOP)
+    os.kill(agent.pid, signal.SIGKILL)
+    finish(agent)
+    assert worker_pids(tmp_path) == workers  # orphans now
+
+    out = run_job(torchrun(2), args, expect=1)
+    assert out.count("error: run r is in use by another trainer") == 2  # on both ranks
+    assert f"pid {workers[0]} on" in out and f":{workers[1]}" in out
+
+    for pid in workers.values():
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not worker_pids(tmp_path), "the orphans to be gone")
+    out = run_job(torchrun(2), args)
+    assert f"taking over from pid {workers[0]} on" in out and "resumed from" in out
+    assert_same_contents(checkpoint_contents(tmp_path / "r" / "checkpoints" / FINAL), reference)

@@ -1,0 +1,167 @@
+"""Fault injection for tests and demos, driven by `GOODPUT_FAULT`, so the production code
+path runs unchanged: the trainer only asks "does a fault fire here?" at a few points.
+
+`GOODPUT_FAULT` holds faults separated by `;`, each `ACTION[:key=value...]`:
+
+    kill:rank=1:step=5          SIGKILL rank 1 as it starts step 5
+    kill:rank=0:save=2:phase=uploading
+                                SIGKILL rank 0 inside its 2nd save (written, uploading,
+                                uploaded, committing)
+    kill:rank=0:at=load         SIGKILL rank 0 while it loads a checkpoint on resume
+    raise:rank=1:step=4         a Python exception
+    nan:rank=1:step=6           rank 1's loss (and so its gradients) become NaN
+    hang:rank=1:step=5          rank 1 spins in an endless loop (stuck in its own code)
+    stop:rank=1:step=5          rank 1 sends itself SIGSTOP (frozen whole)
+    corrupt:rank=1:step=8       rank 1's parameters silently drift after step 8
+    preflight:rank=1            rank 1's device computes a wrong result in the pre-flight
+
+Without `rank=` a fault fires on every rank. Each fires once per run: a marker under
+`<run dir>/faults/` (holding the time it fired) keeps it from firing again after the
+restart; `every=1` makes it fire on every attempt instead. Two older forms stay:
+`kill:checkpoint:N:PHASE` (any rank) and `omit:rng,data` (leave those checkpoint keys out:
+the negative controls of the resume tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "GOODPUT_FAULT"
+ACTIONS = ("kill", "raise", "nan", "hang", "stop", "corrupt", "preflight")
+
+
+class InjectedFault(RuntimeError):
+    """The exception `raise:` throws."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    spec: str
+    action: str
+    rank: Optional[int] = None
+    step: Optional[int] = None
+    save: Optional[int] = None
+    phase: Optional[str] = None
+    at: Optional[str] = None
+    every: bool = False
+
+
+def parse(text: str) -> List[Fault]:
+    faults = []
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        parts = spec.split(":")
+        if parts[0] == "omit":
+            continue
+        if parts[:2] == ["kill", "checkpoint"] and len(parts) == 4:
+            faults.append(Fault(spec, "kill", save=int(parts[2]), phase=parts[3]))
+            continue
+        if parts[0] not in ACTIONS:
+            raise ValueError(f"{FAULT_ENV}: unknown fault '{spec}' (actions: "
+                             f"{', '.join(ACTIONS)})")
+        fields: Dict[str, str] = dict(p.split("=", 1) for p in parts[1:])
+        ints = {k: int(fields.pop(k)) for k in ("rank", "step", "save") if k in fields}
+        faults.append(Fault(spec, parts[0], phase=fields.pop("phase", None),
+                            at=fields.pop("at", None), every=fields.pop("every", "0") == "1",
+                            **ints))
+        if fields:
+            raise ValueError(f"{FAULT_ENV}: unknown key(s) {sorted(fields)} in '{spec}'")
+    return faults
+
+
+def omitted_state_keys() -> List[str]:
+    """`omit:rng,data` leaves those keys out of every save and load."""
+    for spec in os.environ.get(FAULT_ENV, "").split(";"):
+        if spec.startswith("omit:"):
+            return spec[len("omit:"):].split(",")
+    return []
+
+
+class Faults:
+    """The faults that apply to this rank, each fired at most once per run."""
+
+    def __init__(self, faults: List[Fault], rank: int, marker_dir: Path) -> None:
+        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+        self.rank, self.marker_dir = rank, marker_dir
+        self.saves_written = 0
+
+    @classmethod
+    def from_env(cls, rank: int, run_dir: Path) -> "Faults":
+        return cls(parse(os.environ.get(FAULT_ENV, "")), rank, run_dir / "faults")
+
+    def _marker(self, fault: Fault) -> Path:
+        return self.marker_dir / f"{re.sub(r'[^A-Za-z0-9=_-]+', '_', fault.spec)}.rank{self.rank}"
+
+    def _fire(self, fault: Fault) -> bool:
+        """Claim `fault`: False when it already fired in this run."""
+        if fault.every:
+            return True
+        marker = self._marker(fault)
+        if marker.exists():
+            return False
+        # Durable before the fault: a SIGKILL right after must not let it fire again.
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, repr(time.time()).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        log.warning("fault injection (%s=%s): %s on rank %d", FAULT_ENV, fault.spec,
+                    fault.action, self.rank)
+        return True
+
+    def _due(self, action: str, **where: object) -> Optional[Fault]:
+        for fault in self.faults:
+            if fault.action == action and all(getattr(fault, k) == v for k, v in where.items()):
+                if self._fire(fault):
+                    return fault
+        return None
+
+    def at_step(self, step: int) -> None:
+        """Process-level faults at the start of `step`."""
+        if self._due("kill", step=step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("raise", step=step):
+            raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
+        if self._due("stop", step=step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self._due("hang", step=step):
+            while True:  # stuck in our own code, GIL and all: only a watchdog ends this
+                pass
+
+    def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """NaN instead of `loss` when a `nan` fault is due (backward then spreads it)."""
+        return loss * math.nan if self._due("nan", step=step) else loss
+
+    def after_step(self, step: int, model: torch.nn.Module) -> None:
+        if self._due("corrupt", step=step):
+            with torch.no_grad():
+                next(model.parameters()).add_(1e-3)  # silent: finite, plausible, wrong
+
+    def corrupts_device(self) -> bool:
+        return self._due("preflight") is not None
+
+    def at_load(self) -> None:
+        if self._due("kill", at="load"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def save_hook(self) -> Callable[[str, int], None]:
+        """The checkpoint manager's hook: SIGKILL inside the N-th save at a phase."""
+        def hook(phase: str, step: int) -> None:
+            if phase == "written":
+                self.saves_written += 1
+            if self._due("kill", save=self.saves_written, phase=phase):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return hook

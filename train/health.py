@@ -1,0 +1,171 @@
+"""Health: decide, on all ranks together, when a step must not count.
+
+A non-finite loss or gradient norm, or a loss spike beyond `health.spike_factor` x the
+running median, on any rank, or DDP replicas whose parameters no longer agree: every rank
+sees the same verdict (one small all-reduce per step), so all roll back together. The
+offending step's global batch is then skipped for the rest of the run, deterministically:
+the skipped steps are saved in every checkpoint and, at once, in `<run dir>/health.json`,
+so a crash before the next checkpoint skips them again.
+
+Hangs are a separate matter: `Watchdog` ends a rank that stops making progress.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Deque, Dict, Optional, Set
+
+import torch
+import torch.distributed as dist
+
+from train.config import HealthConfig
+from train.errors import TrainingError
+from train.faults import Faults
+
+log = logging.getLogger(__name__)
+
+
+class HealthState:
+    """What the health checks remember: the loss window behind the running median, and the
+    steps whose global batch is skipped. Saved in checkpoints."""
+
+    def __init__(self, window: int) -> None:
+        self.losses: Deque[float] = deque(maxlen=window)
+        self.skipped: Set[int] = set()
+
+    # JSON strings, not lists: DCP loads only the keys the live state already has, so a
+    # list longer in the checkpoint than in a fresh process would load truncated.
+    def state_dict(self) -> Dict[str, Any]:
+        return {"losses": json.dumps(list(self.losses)),
+                "skipped": json.dumps(sorted(self.skipped))}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.losses.clear()
+        self.losses.extend(float(x) for x in json.loads(state["losses"]))
+        # A union: a rollback's skips are newer than the checkpoint it rolls back to.
+        self.skipped |= {int(s) for s in json.loads(state["skipped"])}
+
+
+class HealthMonitor:
+    def __init__(self, cfg: HealthConfig, state: HealthState, rank: int,
+                 run_dir: Path, replicated: bool) -> None:
+        self.cfg, self.state, self.rank = cfg, state, rank
+        self.skips_file = run_dir / "health.json"
+        self.replicated = replicated  # DDP: every rank holds the same parameters
+        self.rollbacks = 0
+
+    def load_skips(self) -> None:
+        """Steps a rollback skipped after the last checkpoint (rank 0 wrote them)."""
+        if self.skips_file.exists():
+            self.state.skipped |= set(json.loads(self.skips_file.read_text())["skipped"])
+
+    def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Optional[str]:
+        """Why step `step` is bad on some rank, or None; the same answer on every rank."""
+        if not self.cfg.enabled:
+            return None
+        loss_value, norm_value = float(loss), float(grad_norm)
+        spike = (len(self.state.losses) >= self.cfg.min_history and math.isfinite(loss_value)
+                 and loss_value > self.cfg.spike_factor * statistics.median(self.state.losses))
+        flags = torch.tensor([not math.isfinite(loss_value), not math.isfinite(norm_value),
+                              spike], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not flags.any():
+            self.state.losses.append(loss_value)
+            return None
+        what = [name for name, bad in zip(["non-finite loss", "non-finite gradient norm",
+                                            f"loss spike (> {self.cfg.spike_factor:g} x the "
+                                            f"running median)"], flags.tolist()) if bad]
+        return f"{' and '.join(what)} at step {step}"
+
+    def check_replicas(self, step: int, model: torch.nn.Module) -> Optional[str]:
+        """Every `replica_check_steps`, DDP ranks compare a checksum of their parameters:
+        silent corruption (a bad GPU, a flipped bit) makes one replica drift."""
+        every = self.cfg.replica_check_steps
+        if (not self.cfg.enabled or not self.replicated or every <= 0 or step % every
+                or not dist.is_initialized() or dist.get_world_size() == 1):
+            return None
+        mine = parameter_checksum(model)
+        sums = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(sums, mine)
+        if all(torch.equal(s, sums[0]) for s in sums):
+            return None
+        differ = [r for r, s in enumerate(sums) if not torch.equal(s, sums[0])]
+        return f"replica checksum mismatch at step {step} (ranks {differ} differ from rank 0)"
+
+    def count_rollback(self) -> None:
+        self.rollbacks += 1
+        if self.rollbacks > self.cfg.max_rollbacks:
+            raise TrainingError(f"{self.rollbacks} rollbacks in this process, more than "
+                                f"health.max_rollbacks={self.cfg.max_rollbacks}: the run "
+                                f"keeps going bad (lower the lr, check the data, or raise "
+                                f"the cap)")
+
+    def skip(self, step: int) -> None:
+        """Skip `step`'s global batch from now on (and after any restart)."""
+        self.state.skipped.add(step)
+        if self.rank == 0:
+            tmp = self.skips_file.with_suffix(".tmp")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"skipped": sorted(self.state.skipped)}))
+            os.replace(tmp, self.skips_file)
+
+    def skipped(self, step: int) -> bool:
+        return step in self.state.skipped
+
+
+def parameter_checksum(model: torch.nn.Module) -> torch.Tensor:
+    """A bit-exact checksum of the parameters: their bytes as integers, summed (wrapping).
+    Any changed bit changes it, unlike a float sum."""
+    total = torch.zeros((), dtype=torch.int64)
+    for p in model.parameters():
+        data = p.detach().contiguous().view(-1)
+        if data.element_size() == 4:
+            words = data.view(torch.int32)
+        elif data.element_size() == 2:
+            words = data.view(torch.int16)
+        else:
+            words = data.view(torch.int64)
+        total += words.to(torch.int64).sum().cpu()
+    return total.reshape(1).to(next(model.parameters()).device)
+
+
+@dataclass
+class Guard:
+    """What the loop consults each step to keep bad steps from counting."""
+
+    health: "HealthMonitor"
+    faults: Faults
+    watchdog: "Watchdog"
+
+
+class Watchdog:
+    """Ends this rank, with every thread's stack on stderr, when `beat()` stops coming for
+    `seconds`: torchrun then restarts the group instead of it hanging forever.
+
+    It is faulthandler's timer, a C thread: it fires even when Python code spins with the
+    GIL held, which a Python thread could not do.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def beat(self) -> None:
+        if self.seconds > 0:
+            faulthandler.dump_traceback_later(self.seconds, exit=True, file=sys.stderr)
+
+    def __enter__(self) -> "Watchdog":
+        self.beat()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,74 @@
+"""Hydra under torchrun: one run, one run directory, one set of Hydra files.
+
+Every rank of a torchrun job runs `python -m train` with the same arguments, so every rank
+composes the same config, the same `run.name` and so the same run directory, on every
+restart too. What must differ per rank is in `conf/config.yaml`'s `hydra:` block, through
+the resolvers below, so that no override (and no difference in `run.name`) is needed: only
+rank 0 writes Hydra's `.hydra/` files (the others would race it for the same files), and
+each rank logs to a file of its own (`train.log` on rank 0, as in a single-process run;
+`train_rank<R>.log` on rank R).
+
+This module reads torchrun's environment only (no torch import): `python -m train --help`
+and config mistakes stay fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Mapping, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from train.errors import EXIT_CONFIG
+
+
+def _world(env: Mapping[str, str]) -> tuple[int, int]:
+    """(rank, world size) as torchrun set them; (0, 1) outside torchrun."""
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+
+
+def register_resolvers() -> None:
+    """`${goodput.on_rank_zero:VALUE}` (VALUE on rank 0, else null) and
+    `${goodput.rank_suffix:}` ('' on rank 0, else `_rank<R>`); safe to call more than once."""
+    resolvers = {"goodput.on_rank_zero": lambda value: value if _world(os.environ)[0] == 0
+                 else None,
+                 "goodput.rank_suffix": lambda: _rank_suffix(_world(os.environ)[0])}
+    for name, resolver in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+
+
+def _rank_suffix(rank: int) -> str:
+    return f"_rank{rank}" if rank else ""
+
+
+def refuse_multirun_under_torchrun(env: Mapping[str, str] = os.environ) -> None:
+    """A sweep under torchrun would run every job on every rank, each rank sweeping on its
+    own: end at once, with one line pointing to a sweep from a single process."""
+    _, world_size = _world(env)
+    if world_size > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
+        print(f"error: a multirun sweep (-m, or hydra.mode=MULTIRUN) cannot run under torchrun "
+              f"(WORLD_SIZE={world_size}): every rank would run the whole sweep. Sweep from a "
+              f"single process with a launcher that starts one torchrun per job (e.g. "
+              f"hydra/launcher=submitit_slurm), or run one torchrun per job yourself",
+              file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
+
+
+def use_node_local_dirs(cfg: DictConfig, node_rank: Optional[int]) -> None:
+    """Give each torchrun agent a directory of its own under `data.cache_dir` and
+    `checkpoint.staging_dir`: `node_<node_rank>`.
+
+    `node_rank` is torchrun's GROUP_RANK (None outside torchrun: the paths stay as they
+    are). Two agents on one machine are two nodes, and must not share a staging tier or a
+    cache that each believes is its own.
+    """
+    if node_rank is None:
+        return
+    for section, key in (("data", "cache_dir"), ("checkpoint", "staging_dir")):
+        if cfg[section][key] is not None:
+            cfg[section][key] = str(Path(cfg[section][key]) / f"node_{node_rank}")
