@@ -76,6 +76,37 @@ def worker_pids(run_root: Path) -> Dict[int, int]:
     return {rank: pid for pid, (rank, parent) in candidates.items() if parent not in candidates}
 
 
+def descendants(pid: int) -> List[int]:
+    """Every live process below `pid` (torchrun's workers start sessions of their own, so
+    killing the agent's process group leaves them running)."""
+    children: Dict[int, List[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL a torchrun agent and all its workers at once: a node is gone."""
+    victims = [agent.pid, *descendants(agent.pid)]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 120,
              proc: Optional[subprocess.Popen] = None) -> None:
     deadline = time.monotonic() + timeout

@@ -20,8 +20,8 @@ import torch
 
 from checkpointing import commit
 from checkpointing.storage import Store
-from conftest import torchrun
-from faultlib import (FINAL, assert_exactly_once, finish, first_step_after, launch,
+from conftest import free_port, torchrun
+from faultlib import (FINAL, assert_exactly_once, finish, first_step_after, kill_node, launch,
                       ledger_records, run_job, samples_per_step, train_args, wait_for,
                       worker_pids)
 from test_resume import assert_same_contents, checkpoint_contents
@@ -160,3 +160,45 @@ def test_preflight_failure_exits_with_its_own_code(tiny_root, tmp_path):
     assert "computed a wrong matrix product: replace this node" in out
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*3 ", out), out[-3000:]
     assert not (tmp_path / "r" / "checkpoints").exists()  # nothing trained, nothing saved
+
+
+def test_two_agents_on_one_machine_train_as_two_nodes(tiny_root, tmp_path, reference):
+    """`--nnodes 2` with c10d rendezvous on 127.0.0.1: two torchrun agents, one rank each,
+    are the same 2-rank job as the standalone one, bit for bit."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = train_args(tiny_root, tmp_path)
+    agents = [launch(torchrun(1, nnodes="2", rdzv_endpoint=endpoint), args) for _ in range(2)]
+    outs = [finish(agent) for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert_matches_reference(tmp_path, reference)
+    # Node-local resources: each agent's ranks kept their own cache.
+    assert sorted(p.name for p in (tmp_path / "r" / "data_cache").iterdir()) == \
+        ["node_0", "node_1"]
+
+
+def test_elastic_job_goes_on_without_a_dead_node(tiny_root, tmp_path):
+    """`--nnodes 1:2`: two agents train at world size 2; the agent that does not host the
+    rendezvous store dies with its workers (the whole "node"); the other re-forms the job
+    at world size 1 and finishes, every sample of every epoch exactly once."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    ledger = tmp_path / "ledger.jsonl"
+    args = train_args(tiny_root, tmp_path)
+    # Both agents must form the first round together: in torch 2.14 a node that joins a
+    # running job (scale-up) deadlocks the shared-store rendezvous (see README).
+    conf = "last_call_timeout=8,join_timeout=120"
+    host = launch(torchrun(1, max_restarts=3, nnodes="1:2", rdzv_endpoint=endpoint,
+                           rdzv_conf=conf), args)
+    time.sleep(1)  # the first agent binds the endpoint: it hosts the store
+    other = launch(torchrun(1, max_restarts=3, nnodes="1:2", rdzv_endpoint=endpoint,
+                            rdzv_conf=conf), args)
+    wait_for(lambda: any(r["world"] == 2 for r in ledger_records(ledger)[2:]),
+             "steps at world size 2", proc=host)
+    kill_node(other)
+    since = time.time()
+    wait_for(lambda: steps_done(ledger, since) >= 1, "a step after the node died", proc=host)
+    report("a node of an elastic job died", first_step_after(ledger, since))
+    out = finish(host)
+    assert host.returncode == 0, out[-4000:]
+    worlds = [r["world"] for r in ledger_records(ledger)]
+    assert 2 in worlds and worlds[-1] == 1
+    assert_exactly_once(ledger)

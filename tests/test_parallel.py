@@ -51,7 +51,7 @@ def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 def assert_close(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], **TOL, msg=key)
+        torch.testing.assert_close(a[key], b[key], **TOL, msg=lambda m: f"{key}: {m}")
 
 
 NOBN = ["model=tiny_cnn_nobn"]
@@ -72,13 +72,15 @@ def single(runs: Path, tiny_root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def fsdp(runs: Path, tiny_root: Path) -> Path:
-    train(2, runs, tiny_root, "fsdp", *NOBN, "strategy=fsdp", "trainer.max_steps=4")
+    # Two micro-batches per rank: only the second backward reduce-scatters, carrying both.
+    train(2, runs, tiny_root, "fsdp", *NOBN, "strategy=fsdp", "trainer.grad_accum_steps=2",
+          "trainer.max_steps=4")
     return runs / "fsdp"
 
 
 def test_ddp_with_accumulation_matches_one_process(single, runs, tiny_root):
-    # Two micro-batches per rank: the first backward must not reduce (no_sync), and the
-    # second must reduce both.
+    # Two micro-batches per rank: the first backward runs under no_sync, the second
+    # all-reduces the sum of both.
     train(2, runs, tiny_root, "ddp", *NOBN, "strategy=ddp", "trainer.grad_accum_steps=2",
           "trainer.max_steps=4")
     final = weights(runs / "ddp" / "model_final.pt")

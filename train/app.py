@@ -89,7 +89,9 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
              batch_plan.dropped_per_epoch)
 
     model = build_model(cfg.model, train_set.num_classes).to(device)
-    if device.type == "cuda":
+    # FSDP2 refuses non-contiguous (channels_last) parameters; channels_last inputs alone
+    # still select the channels_last convolution kernels.
+    if device.type == "cuda" and cfg.strategy.name != StrategyName.fsdp:
         model = model.to(memory_format=torch.channels_last)
     # Before the optimizer is built: FSDP replaces the parameters with sharded ones.
     model = parallelize(model, cfg.strategy, world, device)

@@ -84,8 +84,7 @@ DEFAULT_RUN_NAME_EXCLUDES = [
     "data.read_retries",
     "data.retry_backoff_seconds",
     "data.reindex",
-    "strategy.timeout_seconds",
-    "strategy.init_timeout_seconds",
+    "strategy",  # how the same model trains over ranks, not what it trains
     "health.hang_seconds",
     "health.preflight",
     "audit",

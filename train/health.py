@@ -69,22 +69,31 @@ class HealthMonitor:
             self.state.skipped |= set(json.loads(self.skips_file.read_text())["skipped"])
 
     def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Optional[str]:
-        """Why step `step` is bad on some rank, or None; the same answer on every rank."""
+        """Why step `step` is bad on some rank, or None; the same answer on every rank.
+
+        Spikes are judged on the mean loss over ranks, which every rank then holds bit for
+        bit: the window is saved in checkpoints, so it must not differ between ranks.
+        """
         if not self.cfg.enabled:
             return None
         loss_value, norm_value = float(loss), float(grad_norm)
-        spike = (len(self.state.losses) >= self.cfg.min_history and math.isfinite(loss_value)
-                 and loss_value > self.cfg.spike_factor * statistics.median(self.state.losses))
-        flags = torch.tensor([not math.isfinite(loss_value), not math.isfinite(norm_value),
-                              spike], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if not flags.any():
-            self.state.losses.append(loss_value)
+        summed = torch.tensor([loss_value if math.isfinite(loss_value) else 0.0,
+                               not math.isfinite(loss_value), not math.isfinite(norm_value)],
+                              dtype=torch.float64)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(summed)
+        mean_loss, bad_loss, bad_norm = summed[0].item() / world, summed[1] > 0, summed[2] > 0
+        spike = (not bad_loss and len(self.state.losses) >= self.cfg.min_history
+                 and mean_loss > self.cfg.spike_factor * statistics.median(self.state.losses))
+        if not (bad_loss or bad_norm or spike):
+            self.state.losses.append(mean_loss)
             return None
-        what = [name for name, bad in zip(["non-finite loss", "non-finite gradient norm",
-                                            f"loss spike (> {self.cfg.spike_factor:g} x the "
-                                            f"running median)"], flags.tolist()) if bad]
+        what = [name for name, bad in [("non-finite loss", bad_loss),
+                                       ("non-finite gradient norm", bad_norm),
+                                       (f"loss spike to {mean_loss:.4g} (over "
+                                        f"{self.cfg.spike_factor:g} x the running median)",
+                                        spike)] if bad]
         return f"{' and '.join(what)} at step {step}"
 
     def check_replicas(self, step: int, model: torch.nn.Module) -> Optional[str]:
