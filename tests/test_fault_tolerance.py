@@ -76,12 +76,14 @@ def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, refe
 
 
 def test_sigkill_inside_background_saves(tiny_root, tmp_path, reference):
-    """Rank 0 dies while its 2nd checkpoint uploads from the staging tier, rank 1 right
-    after writing its shard of the 3rd: neither checkpoint may count as complete."""
-    fault = "kill:rank=0:save=2:phase=uploading;kill:rank=1:save=3:phase=written"
+    """Rank 0 dies while its 2nd checkpoint uploads from the staging tier, rank 1 while the
+    restarted group loads a checkpoint, and rank 1 again right after writing its shard of
+    a later save: no torn checkpoint may count as complete, and the run ends exactly."""
+    fault = ("kill:rank=0:save=2:phase=uploading;kill:rank=1:at=load;"
+             "kill:rank=1:save=3:phase=written")
     args = train_args(tiny_root, tmp_path, f"checkpoint.staging_dir={tmp_path / 'staging'}")
-    out = run_job(torchrun(2, max_restarts=2), args, fault=fault)
-    assert out.count("fault injection") == 2
+    out = run_job(torchrun(2, max_restarts=3), args, fault=fault)
+    assert out.count("fault injection") == 3
     assert_matches_reference(tmp_path, reference)
     store = Store(str(tmp_path / "r" / "checkpoints"))
     for step, _ in commit.find_complete(store):

@@ -71,7 +71,8 @@ def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[st
                               f"since the checkpoint (that makes it a different run): use a "
                               f"new run.name")
 
-    faults.at_load()
+    if exists:
+        faults.at_load()
     step = manager.load_latest(state, optional_keys=rng_if_resized(world.world_size),
                                header=["run"], check_header=refuse_another_run)
     if step is None:

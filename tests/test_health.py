@@ -1,0 +1,102 @@
+"""The health checks and the fault-injection grammar, in one process (the multi-process
+behaviour is in test_fault_tolerance.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from train.config import HealthConfig
+from train.errors import TrainingError
+from train.faults import Faults, parse
+from train.health import HealthMonitor, HealthState, parameter_checksum
+
+
+def monitor(tmp_path, **cfg) -> HealthMonitor:
+    config = HealthConfig(**{"min_history": 3, "spike_factor": 5.0, "max_rollbacks": 1, **cfg})
+    return HealthMonitor(config, HealthState(window=4), rank=0, run_dir=tmp_path,
+                         replicated=False)
+
+
+def check(m: HealthMonitor, step: int, loss: float, norm: float = 1.0):
+    return m.check_step(step, torch.tensor(loss), torch.tensor(norm))
+
+
+def test_spikes_are_judged_against_the_running_median(tmp_path):
+    m = monitor(tmp_path)
+    assert check(m, 1, 2.0) is None
+    assert check(m, 2, 2.1) is None
+    assert check(m, 3, 50.0) is None  # too little history yet to judge a spike
+    assert check(m, 4, 1.9) is None  # window 2, 2.1, 50, 1.9: median 2.05
+    assert check(m, 5, 10.2) is None  # under 5 x 2.05; the window drops 2.0
+    assert check(m, 6, 10.9) is None  # median of 2.1, 50, 1.9, 10.2 is 6.15
+    # Now 50, 1.9, 10.2, 10.9: median 10.55, so anything over 52.75 is a spike.
+    assert check(m, 7, 60.0) == ("loss spike to 60 (over 5 x the running median) at step 7")
+    assert list(m.state.losses) == [50.0, 1.9, 10.2, 10.9]  # a bad step is not remembered
+    assert check(m, 8, 52.0) is None
+
+
+def test_non_finite_loss_and_gradient_norm(tmp_path):
+    m = monitor(tmp_path)
+    assert check(m, 1, math.nan) == "non-finite loss at step 1"
+    assert check(m, 2, 1.0, math.inf) == "non-finite gradient norm at step 2"
+    assert check(m, 3, 1.0) is None
+
+
+def test_skips_persist_and_rollbacks_are_capped(tmp_path):
+    m = monitor(tmp_path)
+    m.count_rollback()
+    m.skip(7)
+    assert m.skipped(7) and not m.skipped(8)
+    assert json.loads((tmp_path / "health.json").read_text()) == {"skipped": [7]}
+    fresh = monitor(tmp_path)
+    fresh.load_skips()  # a restart before the next checkpoint still skips step 7
+    assert fresh.skipped(7)
+    with pytest.raises(TrainingError, match="health.max_rollbacks=1"):
+        m.count_rollback()
+
+
+def test_state_round_trips_and_merges_skips(tmp_path):
+    state = HealthState(window=3)
+    state.losses.extend([1.5, 0.1 + 0.2])
+    state.skipped = {4}
+    other = HealthState(window=3)
+    other.skipped = {9}
+    other.load_state_dict(state.state_dict())
+    assert list(other.losses) == [1.5, 0.1 + 0.2]  # bit for bit
+    assert other.skipped == {4, 9}
+
+
+def test_checksum_sees_a_single_flipped_bit():
+    model = torch.nn.Linear(8, 4)
+    before = parameter_checksum(model)
+    with torch.no_grad():
+        words = model.weight.view(-1).view(torch.int32)
+        words[3] ^= 1  # the lowest mantissa bit: a float sum would barely notice
+    assert not torch.equal(parameter_checksum(model), before)
+
+
+def test_fault_grammar(tmp_path):
+    faults = parse("kill:rank=1:step=5;nan:step=3;kill:checkpoint:2:uploaded;omit:rng")
+    assert [(f.action, f.rank, f.step, f.save, f.phase) for f in faults] == [
+        ("kill", 1, 5, None, None), ("nan", None, 3, None, None),
+        ("kill", None, None, 2, "uploaded")]
+    with pytest.raises(ValueError, match="unknown fault 'explode:step=1'"):
+        parse("explode:step=1")
+    with pytest.raises(ValueError, match="unknown key"):
+        parse("nan:stp=3")
+
+
+def test_a_fault_fires_once_per_run_unless_every(tmp_path):
+    once = Faults(parse("nan:step=2"), rank=0, marker_dir=tmp_path)
+    assert math.isnan(once.poison_loss(2, torch.tensor(1.0)))
+    again = Faults(parse("nan:step=2"), rank=0, marker_dir=tmp_path)  # after a restart
+    assert again.poison_loss(2, torch.tensor(1.0)) == 1.0
+    other_rank = Faults(parse("nan:rank=1:step=2"), rank=0, marker_dir=tmp_path)
+    assert other_rank.poison_loss(2, torch.tensor(1.0)) == 1.0
+    every = Faults(parse("nan:step=2:every=1"), rank=0, marker_dir=tmp_path)
+    assert math.isnan(every.poison_loss(2, torch.tensor(1.0)))
+    assert math.isnan(every.poison_loss(2, torch.tensor(1.0)))
