@@ -22,7 +22,7 @@ def monitor(tmp_path, **cfg) -> HealthMonitor:
 
 
 def check(m: HealthMonitor, step: int, loss: float, norm: float = 1.0):
-    return m.check_step(step, torch.tensor(loss), torch.tensor(norm))
+    return m.check_step(step, torch.tensor(loss, dtype=torch.float64), torch.tensor(norm))
 
 
 def test_spikes_are_judged_against_the_running_median(tmp_path):
