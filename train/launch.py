@@ -52,9 +52,9 @@ def refuse_multirun_under_torchrun(env: Mapping[str, str] = os.environ) -> None:
     _, world_size = _world(env)
     if world_size > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
         print(f"error: a multirun sweep (-m, or hydra.mode=MULTIRUN) cannot run under torchrun "
-              f"(WORLD_SIZE={world_size}): every rank would run the whole sweep. Sweep from a "
-              f"single process with a launcher that starts one torchrun per job (e.g. "
-              f"hydra/launcher=submitit_slurm), or run one torchrun per job yourself",
+              f"(WORLD_SIZE={world_size}): every rank would run every job. Sweep from a single "
+              f"process instead (python -m train -m ..., or with a Hydra launcher plugin such "
+              f"as submitit), or start one torchrun per job with that job's overrides",
               file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
 

@@ -19,7 +19,7 @@ turns it into a shared lock that every other rank takes too. So the run stays lo
 long as *any* of its ranks lives: if the holder's rank 0 dies while other ranks live on
 (their torchrun agent gone too), a relaunch is refused until they are gone, rather than
 running beside ranks that may still append to the ledger or write checkpoint shards.
-(Those orphans do not live long: their next collective fails once rank 0 is gone.)
+(Such orphans rarely live long: their next collective fails once rank 0 is gone.)
 Every rank learns rank 0's verdict, so all of them exit with the same error.
 """
 
@@ -74,16 +74,18 @@ def describe_holder(text: str) -> str:
     """The holder the lock file names, in words."""
     try:
         holder = json.loads(text)
-        host, pid = holder["host"], int(holder["pid"])
-        since, launch, workers = holder["since"], holder["launch"], list(holder["workers"])
+        host, pid, since = holder["host"], int(holder["pid"]), holder["since"]
+        job, restart, workers = holder["job"], holder["restart"], list(holder["workers"])
     except (ValueError, KeyError, TypeError):
         return "a trainer that is starting or ending (the lock file names no holder yet)"
+    if job is None:
+        return f"pid {pid} on {host} (a single process, since {since})"
     here = socket.gethostname()
     alive = [w for w in workers
              if w.split(":")[0] == here and _pid_alive(int(w.rsplit(":", 1)[1]))]
-    return (f"pid {pid} on {host} (rank 0 of launch {launch}, since {since}; ranks "
-            f"{', '.join(workers)}" + (f"; still running here: {', '.join(alive)}" if alive
-                                       else "") + ")")
+    return (f"pid {pid} on {host} (rank 0 of torchrun job {job}, restart {restart}, since "
+            f"{since}; ranks {', '.join(workers)}; alive on this host: "
+            f"{', '.join(alive) or 'none'})")
 
 
 def _take(fd: int, path: Path, run_name: str, workers: List[str]) -> Optional[str]:
@@ -96,17 +98,17 @@ def _take(fd: int, path: Path, run_name: str, workers: List[str]) -> Optional[st
             raise
         text = os.pread(fd, 1 << 16, 0).decode(errors="replace")
         return (f"run {run_name} is in use by another trainer: {path} is held by "
-                f"{describe_holder(text)}. Stop that trainer (the workers of a killed "
-                f"torchrun agent keep running) or wait for it to end; a lock whose holders "
-                f"are all gone is taken over by itself")
+                f"{describe_holder(text)}. Stop it (the workers of a killed torchrun agent "
+                f"keep running), or wait for it to end; once all its processes are gone, a "
+                f"relaunch takes the lock over")
     previous = os.pread(fd, 1 << 16, 0).decode(errors="replace")
     if previous:  # its holder never released it: it died (or was restarted by torchrun)
         log.warning("run lock %s: taking over from %s, which is gone", path,
                     describe_holder(previous))
     holder = {"host": socket.gethostname(), "pid": os.getpid(),
               "since": datetime.now().astimezone().isoformat(timespec="seconds"),
-              "launch": f"{os.environ.get('TORCHELASTIC_RUN_ID', 'single-process')} restart "
-                        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+              "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+              "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
               "workers": workers}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(holder).encode(), 0)
