@@ -6,10 +6,12 @@ One file for all ranks. Each line is one optimizer step of one rank,
      "world": 2, "time": 1764489600.123}
 
 (`world`: the world size that trained it; `time`: when, in seconds since the epoch; a step
-a health rollback skipped has `"loss": null, "skipped": true`), written with a single `os.write` on an `O_APPEND` descriptor, so lines from concurrent ranks
-never interleave. A crash can leave the last line torn; `read_ledger` ignores it. A resumed
-run recomputes the steps after its checkpoint and appends them again; the last record of a
-(step, rank) is the surviving history.
+a health rollback skipped has `"loss": null, "skipped": true`), written with a single
+`os.write` on an `O_APPEND` descriptor, so lines from concurrent ranks never interleave. A
+crash can leave the last line torn; `read_ledger` ignores it. A resumed run recomputes the
+steps after its checkpoint and appends them again; the last record of a (step, rank) is the
+surviving history (after a world-size change, the records of the last world size that
+recorded the step).
 """
 
 from __future__ import annotations
