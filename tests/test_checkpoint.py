@@ -283,6 +283,26 @@ def test_retention_keeps_the_newest_and_cleans_leftovers(tmp_path):
     assert sorted(os.listdir(root)) == ["step_000000003", "step_000000005"]
 
 
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_a_node_without_rank_0_cleans_its_own_staging_partials(tmp_path, local_rank):
+    """Rank 0 renames and retains its own node's staged copies only. On another node the
+    lowest local rank removes the partials of earlier saves and of dead trainers, and the
+    last one once the run closes; no other local rank touches them."""
+    stage = tmp_path / "stage"
+    (stage / ".step_000000001.partial-dead").mkdir(parents=True)  # left by a crash
+    job = Job()
+    mgr = CheckpointManager(CheckpointOptions(dir=str(tmp_path / "ckpt"), staging_dir=str(stage)),
+                            rank=1, world_size=2, local_rank=local_rank)
+    for step in (2, 3):
+        mgr.save(step, job.state())
+        mgr.wait()
+    staged = [commit.partial_dir_name(s, mgr.attempt) for s in (2, 3)]
+    assert sorted(os.listdir(stage)) == (
+        staged[1:] if local_rank == 0 else [".step_000000001.partial-dead", *staged])
+    mgr.close()
+    assert len(os.listdir(stage)) == (0 if local_rank == 0 else 3)
+
+
 def test_a_failed_save_never_pushes_out_a_good_checkpoint(tmp_path, caplog):
     job = Job()
     root = tmp_path / "ckpt"

@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
+from contextlib import suppress
 
 import pytest
-from omegaconf import OmegaConf
 
 from checkpointing import commit
 from checkpointing.storage import Store
@@ -81,15 +80,17 @@ def test_a_second_trainer_is_refused_and_a_dead_ones_lock_taken_over(tiny_root, 
     args = train_args(tiny_root, tmp_path)
     ledger = tmp_path / "ledger.jsonl"
     first = launch(PYTHON, args)
-    wait_for(lambda: ledger_records(ledger), "the first step", proc=first)
-    # Frozen, it holds the lock without finishing its few steps (or using a core) meanwhile.
-    os.killpg(first.pid, signal.SIGSTOP)
-    steps = len(ledger_records(ledger))
-    out = run_job(PYTHON, args, expect=2)
-    assert "error: run r is in use by another trainer" in out
-    assert f"pid {first.pid} on" in out and len(ledger_records(ledger)) == steps
-    os.killpg(first.pid, signal.SIGKILL)
-    finish(first)
+    try:
+        wait_for(lambda: ledger_records(ledger), "the first step", proc=first)
+        # Frozen, it holds the lock without finishing its few steps (or taking a core).
+        os.killpg(first.pid, signal.SIGSTOP)
+        steps = len(ledger_records(ledger))
+        out = run_job(PYTHON, args, expect=2)
+        assert "error: run r is in use by another trainer" in out
+        assert f"pid {first.pid} on" in out and len(ledger_records(ledger)) == steps
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        finish(first)
     out = run_job(PYTHON, args)
     assert f"taking over from pid {first.pid} on" in out
     assert (tmp_path / "r" / "run.lock").read_text() == ""  # released on the way out
@@ -102,22 +103,25 @@ def test_killing_only_the_agent_leaves_orphans_that_keep_the_run_locked(tiny_roo
     run that was never interrupted."""
     args = train_args(tiny_root, tmp_path)
     ckpts = Store(str(tmp_path / "r" / "checkpoints"))
-    agent = launch(torchrun(2), args)
+    # Output to a file: the orphans keep a pipe's write end open, so a pipe never ends.
+    agent = launch(torchrun(2), args, log=tmp_path / "agent.log")
     wait_for(lambda: commit.committed_steps(ckpts), "a checkpoint", proc=agent)
     workers = worker_pids(tmp_path)
-    assert sorted(workers) == [0, 1]
-    for pid in workers.values():  # frozen, so that they cannot finish the tiny run meanwhile
-        os.kill(pid, signal.SIGSTOP)
-    os.kill(agent.pid, signal.SIGKILL)
-    finish(agent)
-    assert worker_pids(tmp_path) == workers  # orphans now
+    try:
+        assert sorted(workers) == [0, 1]
+        for pid in workers.values():  # frozen, so that they cannot finish the tiny run first
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(agent.pid, signal.SIGKILL)
+        finish(agent)
+        assert worker_pids(tmp_path) == workers  # orphans now
 
-    out = run_job(torchrun(2), args, expect=1)
-    assert out.count("error: run r is in use by another trainer") == 2  # on both ranks
-    assert f"pid {workers[0]} on" in out and f":{workers[1]}" in out
-
-    for pid in workers.values():
-        os.kill(pid, signal.SIGKILL)
+        out = run_job(torchrun(2), args, expect=1)
+        assert out.count("error: run r is in use by another trainer") == 2  # on both ranks
+        assert f"pid {workers[0]} on" in out and f":{workers[1]}" in out
+    finally:
+        for pid in workers.values():
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not worker_pids(tmp_path), "the orphans to be gone")
     out = run_job(torchrun(2), args)
     assert f"taking over from pid {workers[0]} on" in out and "resumed from" in out

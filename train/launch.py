@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -26,30 +26,24 @@ from omegaconf import DictConfig, OmegaConf
 from train.errors import EXIT_CONFIG
 
 
-def _world(env: Mapping[str, str]) -> tuple[int, int]:
-    """(rank, world size) as torchrun set them; (0, 1) outside torchrun."""
-    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))  # torchrun's; a single process is rank 0
 
 
 def register_resolvers() -> None:
     """`${goodput.on_rank_zero:VALUE}` (VALUE on rank 0, else null) and
     `${goodput.rank_suffix:}` ('' on rank 0, else `_rank<R>`); safe to call more than once."""
-    resolvers = {"goodput.on_rank_zero": lambda value: value if _world(os.environ)[0] == 0
-                 else None,
-                 "goodput.rank_suffix": lambda: _rank_suffix(_world(os.environ)[0])}
+    resolvers = {"goodput.on_rank_zero": lambda value: None if _rank() else value,
+                 "goodput.rank_suffix": lambda: f"_rank{_rank()}" if _rank() else ""}
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
 
 
-def _rank_suffix(rank: int) -> str:
-    return f"_rank{rank}" if rank else ""
-
-
-def refuse_multirun_under_torchrun(env: Mapping[str, str] = os.environ) -> None:
+def refuse_multirun_under_torchrun() -> None:
     """A sweep under torchrun would run every job on every rank, each rank sweeping on its
     own: end at once, with one line pointing to a sweep from a single process."""
-    _, world_size = _world(env)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
         print(f"error: a multirun sweep (-m, or hydra.mode=MULTIRUN) cannot run under torchrun "
               f"(WORLD_SIZE={world_size}): every rank would run every job. Sweep from a single "
