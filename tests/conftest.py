@@ -121,3 +121,15 @@ def train_env(**extra: str) -> dict:
            if not k.startswith("MLFLOW_") and k != "GOODPUT_FAULT"}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
     return env
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted 2-rank DDP run (tests/faultlib.py's `train_args`) that faulty runs
+    are compared with: its final checkpoint, flattened, and the samples of each step."""
+    from faultlib import FINAL, run_job, samples_per_step, train_args
+    from test_resume import checkpoint_contents
+    root = tmp_path_factory.mktemp("ddp_reference")
+    run_job(torchrun(2), train_args(tiny_root, root))
+    return {"contents": checkpoint_contents(root / "r" / "checkpoints" / FINAL),
+            "samples": samples_per_step(root / "ledger.jsonl")}

@@ -1,8 +1,8 @@
 """Fault tolerance under torchrun (gloo, 2 ranks, DDP): real processes killed, frozen, spun,
 poisoned; the job must recover by itself and end exactly where an uninterrupted run ends.
 
-Each scenario runs once, serially (2 cores): a module-scoped uninterrupted reference run,
-then the faulty runs compared with it, bit for bit.
+Each scenario runs once, serially (2 cores), and is compared bit for bit with one
+uninterrupted run (conftest's `ddp_reference`).
 """
 
 from __future__ import annotations
@@ -15,31 +15,21 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from checkpointing import commit
 from checkpointing.storage import Store
 from conftest import free_port, torchrun
 from faultlib import (FINAL, assert_exactly_once, finish, first_step_after, kill_node, launch,
-                      ledger_records, run_job, samples_per_step, train_args, wait_for,
-                      worker_pids)
+                      ledger_records, run_job, samples_per_step, train_args,
+                      wait_for, worker_pids)
 from test_resume import assert_same_contents, checkpoint_contents
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_root, tmp_path_factory):
-    """The uninterrupted 2-rank run."""
-    root = tmp_path_factory.mktemp("reference")
-    run_job(torchrun(2), train_args(tiny_root, root))
-    return {"contents": checkpoint_contents(root / "r" / "checkpoints" / FINAL),
-            "samples": samples_per_step(root / "ledger.jsonl")}
-
-
-def assert_matches_reference(root: Path, reference: dict) -> None:
+def assert_matches_reference(root: Path, ddp_reference: dict) -> None:
     final = checkpoint_contents(root / "r" / "checkpoints" / FINAL)
-    assert_same_contents(final, reference["contents"])
-    assert samples_per_step(root / "ledger.jsonl") == reference["samples"]
+    assert_same_contents(final, ddp_reference["contents"])
+    assert samples_per_step(root / "ledger.jsonl") == ddp_reference["samples"]
     assert_exactly_once(root / "ledger.jsonl")
 
 
@@ -52,7 +42,7 @@ def report(name: str, seconds: float) -> None:
     print(f"\nrestart-to-first-step ({name}): {seconds:.1f}s")
 
 
-def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, reference):
+def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, ddp_reference):
     """Kill rank 1, then (after the restart has made progress) rank 0, by PID, from
     outside: torchrun restarts the group both times and the run ends bit-identical."""
     ledger, ckpts = tmp_path / "ledger.jsonl", Store(str(tmp_path / "r" / "checkpoints"))
@@ -72,10 +62,10 @@ def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, refe
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert out.count("resumed from") >= 2  # both restarts resumed (one line per restart)
-    assert_matches_reference(tmp_path, reference)
+    assert_matches_reference(tmp_path, ddp_reference)
 
 
-def test_sigkill_inside_background_saves(tiny_root, tmp_path, reference):
+def test_sigkill_inside_background_saves(tiny_root, tmp_path, ddp_reference):
     """Rank 0 dies while its 2nd checkpoint uploads from the staging tier, rank 1 while the
     restarted group loads a checkpoint, and rank 1 again right after writing its shard of
     a later save: no torn checkpoint may count as complete, and the run ends exactly."""
@@ -84,7 +74,7 @@ def test_sigkill_inside_background_saves(tiny_root, tmp_path, reference):
     args = train_args(tiny_root, tmp_path, f"checkpoint.staging_dir={tmp_path / 'staging'}")
     out = run_job(torchrun(2, max_restarts=3), args, fault=fault)
     assert out.count("fault injection") == 3
-    assert_matches_reference(tmp_path, reference)
+    assert_matches_reference(tmp_path, ddp_reference)
     store = Store(str(tmp_path / "r" / "checkpoints"))
     for step, _ in commit.find_complete(store):
         assert commit.verify(store, commit.step_dir_name(step), step) == 2  # both ranks
@@ -123,7 +113,7 @@ def test_nan_and_replica_drift_roll_back_together(tiny_root, tmp_path):
     assert json.loads(final["health.skipped"]) == [5]
 
 
-def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, reference):
+def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, ddp_reference):
     """A real SIGSTOP of rank 1: rank 0's collective times out after
     strategy.timeout_seconds, torchrun replaces the group, the run ends bit-identical."""
     ledger = tmp_path / "ledger.jsonl"
@@ -142,18 +132,18 @@ def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, refer
         os.kill(frozen, signal.SIGCONT) if os.path.exists(f"/proc/{frozen}") else None
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"[Tt]imed out|[Tt]imeout", out), out[-4000:]
-    assert_matches_reference(tmp_path, reference)
+    assert_matches_reference(tmp_path, ddp_reference)
 
 
 def test_a_rank_spinning_in_its_own_code_is_ended_by_its_watchdog(tiny_root, tmp_path,
-                                                                   reference):
+                                                                   ddp_reference):
     """Rank 1 spins forever (GIL held, no collective pending): its watchdog dumps the
     stacks after health.hang_seconds and exits; torchrun restarts the group."""
     args = train_args(tiny_root, tmp_path, "health.hang_seconds=4")
     out = run_job(torchrun(2, max_restarts=1), args, fault="hang:rank=1:step=4")
     assert "Timeout (0:00:04)!" in out  # faulthandler's stack dump
     assert "in at_step" in out  # ... and it shows where the rank was stuck
-    assert_matches_reference(tmp_path, reference)
+    assert_matches_reference(tmp_path, ddp_reference)
 
 
 def test_preflight_failure_exits_with_its_own_code(tiny_root, tmp_path):
@@ -162,20 +152,6 @@ def test_preflight_failure_exits_with_its_own_code(tiny_root, tmp_path):
     assert "computed a wrong matrix product: replace this node" in out
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*:\s*3 ", out), out[-3000:]
     assert not (tmp_path / "r" / "checkpoints").exists()  # nothing trained, nothing saved
-
-
-def test_two_agents_on_one_machine_train_as_two_nodes(tiny_root, tmp_path, reference):
-    """`--nnodes 2` with c10d rendezvous on 127.0.0.1: two torchrun agents, one rank each,
-    are the same 2-rank job as the standalone one, bit for bit."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    args = train_args(tiny_root, tmp_path)
-    agents = [launch(torchrun(1, nnodes="2", rdzv_endpoint=endpoint), args) for _ in range(2)]
-    outs = [finish(agent) for agent in agents]
-    assert [a.returncode for a in agents] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    assert_matches_reference(tmp_path, reference)
-    # Node-local resources: each agent's ranks kept their own cache.
-    assert sorted(p.name for p in (tmp_path / "r" / "data_cache").iterdir()) == \
-        ["node_0", "node_1"]
 
 
 def test_elastic_job_goes_on_without_a_dead_node(tiny_root, tmp_path):

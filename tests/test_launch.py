@@ -14,19 +14,11 @@ import pytest
 from checkpointing import commit
 from checkpointing.storage import Store
 from conftest import compose_config, free_port, torchrun
-from faultlib import (FINAL, finish, launch, ledger_records, run_job, train_args, wait_for,
-                      worker_pids)
+from faultlib import (FINAL, finish, launch, ledger_records, run_job, train_args,
+                      wait_for, worker_pids)
 from test_resume import assert_same_contents, checkpoint_contents
 
 PYTHON = [sys.executable]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_root, tmp_path_factory):
-    """The final checkpoint of an uninterrupted 2-rank run."""
-    root = tmp_path_factory.mktemp("reference")
-    run_job(torchrun(2), train_args(tiny_root, root))
-    return checkpoint_contents(root / "r" / "checkpoints" / FINAL)
 
 
 @pytest.mark.parametrize("rank, subdir, job", [("0", ".hydra", "train"),
@@ -40,11 +32,13 @@ def test_only_rank_0_writes_hydra_files_and_each_rank_names_its_log(monkeypatch,
     assert hydra.job.name == job
 
 
-def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_path):
+def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_path,
+                                                                ddp_reference):
     """Two torchrun agents (one rank each) meet through a c10d rendezvous: one run
     directory (the default run name, composed on each rank), Hydra's files written once, a
     log file per rank, and a cache and a staging directory per node, the staging tier of
-    either node left without partial checkpoints."""
+    either node left without partial checkpoints. It is the same 2-rank job as the
+    standalone one, bit for bit."""
     staging = tmp_path / "staging"
     args = [a for a in train_args(tiny_root, tmp_path, f"checkpoint.staging_dir={staging}")
             if a != "run.name=r"]
@@ -66,6 +60,8 @@ def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_p
     # 1 cleans its own, which nothing else ever did.
     assert os.listdir(staging / "node_0") == os.listdir(staging / "node_1") == []
     assert commit.committed_steps(Store(str(run_dir / "checkpoints")))[0] == 12
+    assert_same_contents(checkpoint_contents(run_dir / "checkpoints" / FINAL),
+                         ddp_reference["contents"])
 
 
 def test_a_sweep_under_torchrun_is_refused(tiny_root, tmp_path):
@@ -97,7 +93,7 @@ def test_a_second_trainer_is_refused_and_a_dead_ones_lock_taken_over(tiny_root, 
 
 
 def test_killing_only_the_agent_leaves_orphans_that_keep_the_run_locked(tiny_root, tmp_path,
-                                                                        reference):
+                                                                        ddp_reference):
     """The agent dies, its workers (each in a session of its own) live on: a relaunch is
     refused while they live, and once they are gone it resumes to the same final bits as a
     run that was never interrupted."""
@@ -125,4 +121,5 @@ def test_killing_only_the_agent_leaves_orphans_that_keep_the_run_locked(tiny_roo
     wait_for(lambda: not worker_pids(tmp_path), "the orphans to be gone")
     out = run_job(torchrun(2), args)
     assert f"taking over from pid {workers[0]} on" in out and "resumed from" in out
-    assert_same_contents(checkpoint_contents(tmp_path / "r" / "checkpoints" / FINAL), reference)
+    assert_same_contents(checkpoint_contents(tmp_path / "r" / "checkpoints" / FINAL),
+                         ddp_reference["contents"])
