@@ -124,12 +124,25 @@ def train_env(**extra: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def ddp_reference(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted 2-rank DDP run (tests/faultlib.py's `train_args`) that faulty runs
-    are compared with: its final checkpoint, flattened, and the samples of each step."""
+def reference_runs(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`reference_runs(strategy)`: the uninterrupted 2-rank run (tests/faultlib.py's
+    `train_args`) that faulty runs are compared with, made once per strategy on first use:
+    its final checkpoint, flattened, and the samples of each step."""
     from faultlib import FINAL, run_job, samples_per_step, train_args
     from test_resume import checkpoint_contents
-    root = tmp_path_factory.mktemp("ddp_reference")
-    run_job(torchrun(2), train_args(tiny_root, root))
-    return {"contents": checkpoint_contents(root / "r" / "checkpoints" / FINAL),
-            "samples": samples_per_step(root / "ledger.jsonl")}
+    made: dict = {}
+
+    def reference(strategy: str = "ddp") -> dict:
+        if strategy not in made:
+            root = tmp_path_factory.mktemp(f"reference_{strategy}")
+            run_job(torchrun(2), train_args(tiny_root, root, strategy=strategy))
+            made[strategy] = {
+                "contents": checkpoint_contents(root / "r" / "checkpoints" / FINAL),
+                "samples": samples_per_step(root / "ledger.jsonl")}
+        return made[strategy]
+    return reference
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(reference_runs) -> dict:
+    return reference_runs("ddp")

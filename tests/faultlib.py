@@ -17,11 +17,12 @@ STEPS_PER_EPOCH, EPOCHS, NUM_TRAIN = 6, 2, 120  # tiny_overrides: 120 images, ba
 FINAL = f"step_{STEPS_PER_EPOCH * EPOCHS:09d}"
 
 
-def train_args(tiny_root: Path, run_root: Path, *extra: str) -> List[str]:
-    """`-m train ...` for a small DDP run whose every step is in the ledger. Dropout draws
-    from the RNG, so a resume that got the RNG wrong shows in the weights."""
+def train_args(tiny_root: Path, run_root: Path, *extra: str,
+               strategy: str = "ddp") -> List[str]:
+    """`-m train ...` for a small run whose every step is in the ledger. Dropout draws from
+    the RNG, so a resume that got the RNG wrong shows in the weights."""
     return ["-m", "train", *tiny_overrides(tiny_root), "model=tiny_cnn", "model.dropout=0.3",
-            "strategy=ddp", "strategy.timeout_seconds=20", "strategy.init_timeout_seconds=90",
+            f"strategy={strategy}", "strategy.timeout_seconds=20", "strategy.init_timeout_seconds=90",
             "logger=none", "trainer.device=cpu", "checkpoint.interval_steps=2",
             f"audit.ledger={run_root / 'ledger.jsonl'}", f"run.root={run_root}", "run.name=r",
             *extra]

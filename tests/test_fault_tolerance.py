@@ -15,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from checkpointing import commit
@@ -42,12 +43,16 @@ def report(name: str, seconds: float) -> None:
     print(f"\nrestart-to-first-step ({name}): {seconds:.1f}s")
 
 
-def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, ddp_reference):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, reference_runs,
+                                                       strategy):
     """Kill rank 1, then (after the restart has made progress) rank 0, by PID, from
-    outside: torchrun restarts the group both times and the run ends bit-identical."""
+    outside: torchrun restarts the group both times and the run ends bit-identical, with
+    replicated (DDP) and with sharded (FSDP) state."""
     ledger, ckpts = tmp_path / "ledger.jsonl", Store(str(tmp_path / "r" / "checkpoints"))
-    rng = random.Random(os.environ.get("PYTEST_SEED", "5"))
-    proc = launch(torchrun(2, max_restarts=3), train_args(tiny_root, tmp_path))
+    rng = random.Random(f"{os.environ.get('PYTEST_SEED', '5')}-{strategy}")
+    proc = launch(torchrun(2, max_restarts=3),
+                  train_args(tiny_root, tmp_path, strategy=strategy))
     since = 0.0
     for victim in (1, 0):
         at = rng.randint(1, 3)
@@ -58,10 +63,23 @@ def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, ddp_
         since = time.time()
         wait_for(lambda: steps_done(ledger, since) >= 1, "the restarted group's first step",
                  proc=proc)
-        report(f"SIGKILL rank {victim}", first_step_after(ledger, since))
+        report(f"SIGKILL rank {victim}, {strategy}", first_step_after(ledger, since))
     out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
     assert out.count("resumed from") >= 2  # both restarts resumed (one line per restart)
+    assert_matches_reference(tmp_path, reference_runs(strategy))
+
+
+def test_a_dead_node_then_the_same_command_again(tiny_root, tmp_path, ddp_reference):
+    """The whole node goes (the agent and its workers, SIGKILLed together) with no
+    restarts left to torchrun: running the same command again resumes, to the same bits."""
+    args = train_args(tiny_root, tmp_path)
+    agent = launch(torchrun(2), args)
+    wait_for(lambda: commit.committed_steps(Store(str(tmp_path / "r" / "checkpoints"))),
+             "a checkpoint", proc=agent)
+    kill_node(agent)
+    out = run_job(torchrun(2), args)
+    assert "resumed from" in out
     assert_matches_reference(tmp_path, ddp_reference)
 
 
@@ -111,6 +129,18 @@ def test_nan_and_replica_drift_roll_back_together(tiny_root, tmp_path):
     assert all(torch.isfinite(v).all() for k, v in final.items()
                if k.startswith("model.") and isinstance(v, torch.Tensor))
     assert json.loads(final["health.skipped"]) == [5]
+
+
+def test_nan_rolls_back_sharded_state_too(tiny_root, tmp_path):
+    """The same rollback under FSDP: every rank reloads its shards of the checkpoint."""
+    args = train_args(tiny_root, tmp_path, strategy="fsdp")
+    out = run_job(torchrun(2), args, fault="nan:rank=0:step=7")
+    assert "non-finite loss at step 7: rolled back to step 6; step 7's global batch is " \
+           "skipped" in out
+    assert_exactly_once(tmp_path / "ledger.jsonl")
+    final = checkpoint_contents(tmp_path / "r" / "checkpoints" / FINAL)
+    assert all(torch.isfinite(v).all() for k, v in final.items()
+               if k.startswith(("model.", "optim.")) and isinstance(v, torch.Tensor))
 
 
 def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, ddp_reference):

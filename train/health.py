@@ -79,11 +79,12 @@ class HealthMonitor:
         loss_value, norm_value = float(loss), float(grad_norm)
         summed = torch.tensor([loss_value if math.isfinite(loss_value) else 0.0,
                                not math.isfinite(loss_value), not math.isfinite(norm_value)],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=loss.device)  # NCCL: on the GPU
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(summed)
-        mean_loss, bad_loss, bad_norm = summed[0].item() / world, summed[1] > 0, summed[2] > 0
+        total, bad_loss, bad_norm = summed.tolist()
+        mean_loss, bad_loss, bad_norm = total / world, bad_loss > 0, bad_norm > 0
         spike = (not bad_loss and len(self.state.losses) >= self.cfg.min_history
                  and mean_loss > self.cfg.spike_factor * statistics.median(self.state.losses))
         if not (bad_loss or bad_norm or spike):
