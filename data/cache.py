@@ -53,7 +53,8 @@ def cache_key(url: str, size: int) -> str:
     return hashlib.sha1(f"{url}\0{size}".encode()).hexdigest()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid lives on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -233,7 +234,7 @@ class NodeCache:
         for entry in self._entries():
             if entry.name.startswith(".tmp-"):
                 _, pid, _, size, _ = entry.name.split("-", 4)
-                if _pid_alive(int(pid)):
+                if pid_alive(int(pid)):
                     total += int(size)
                 else:
                     Path(entry.path).unlink(missing_ok=True)

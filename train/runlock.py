@@ -38,6 +38,7 @@ from typing import Iterator, List, Optional
 
 import torch.distributed as dist
 
+from data.cache import pid_alive
 from train.distributed import World, broadcast_object
 from train.errors import ConfigError
 
@@ -60,16 +61,6 @@ def _workers(world: World) -> List[str]:
     return [str(w) for w in everyone]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def describe_holder(text: str) -> str:
     """The holder the lock file names, in words."""
     try:
@@ -82,7 +73,7 @@ def describe_holder(text: str) -> str:
         return f"pid {pid} on {host} (a single process, since {since})"
     here = socket.gethostname()
     alive = [w for w in workers
-             if w.split(":")[0] == here and _pid_alive(int(w.rsplit(":", 1)[1]))]
+             if w.split(":")[0] == here and pid_alive(int(w.rsplit(":", 1)[1]))]
     return (f"pid {pid} on {host} (rank 0 of torchrun job {job}, restart {restart}, since "
             f"{since}; ranks {', '.join(workers)}; alive on this host: "
             f"{', '.join(alive) or 'none'})")
