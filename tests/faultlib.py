@@ -23,7 +23,8 @@ def train_args(tiny_root: Path, run_root: Path, *extra: str,
     the RNG, so a resume that got the RNG wrong shows in the weights."""
     return ["-m", "train", *tiny_overrides(tiny_root), "model=tiny_cnn", "model.dropout=0.3",
             f"strategy={strategy}", "strategy.timeout_seconds=20",
-            "strategy.init_timeout_seconds=90", "logger=none", "trainer.device=cpu", "checkpoint.interval_steps=2",
+            "strategy.init_timeout_seconds=90", "logger=none", "trainer.device=cpu",
+            "checkpoint.interval_steps=2",
             f"audit.ledger={run_root / 'ledger.jsonl'}", f"run.root={run_root}", "run.name=r",
             *extra]
 
