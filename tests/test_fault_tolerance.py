@@ -129,6 +129,9 @@ def test_nan_and_replica_drift_roll_back_together(tiny_root, tmp_path):
     assert all(torch.isfinite(v).all() for k, v in final.items()
                if k.startswith("model.") and isinstance(v, torch.Tensor))
     assert json.loads(final["health.skipped"]) == [5]
+    # The steps done in vain (5, 7 and 8, after the checkpoints at 4 and 6) count as lost.
+    seconds = json.loads((tmp_path / "r" / "goodput.json").read_text())["seconds"]
+    assert seconds["lost"] > 0 and seconds["restore"] > 0 and seconds["compute"] > 0
 
 
 def test_nan_rolls_back_sharded_state_too(tiny_root, tmp_path):

@@ -12,6 +12,7 @@ import torch
 from train.config import HealthConfig
 from train.errors import TrainingError
 from train.faults import Faults, parse
+from train.goodput import Goodput
 from train.health import HealthMonitor, HealthState, parameter_checksum
 
 
@@ -100,3 +101,24 @@ def test_a_fault_fires_once_per_run_unless_every(tmp_path):
     every = Faults(parse("nan:step=2:every=1"), rank=0, marker_dir=tmp_path)
     assert math.isnan(every.poison_loss(2, torch.tensor(1.0)))
     assert math.isnan(every.poison_loss(2, torch.tensor(1.0)))
+
+
+def test_goodput_moves_redone_steps_to_lost_across_processes(tmp_path, monkeypatch):
+    clock = iter(range(100))  # perf_counter reads 0, 1, 2, ... seconds
+    monkeypatch.setattr("train.goodput.time.perf_counter", lambda: float(next(clock)))
+    first = Goodput(tmp_path / "goodput.json", process_start=0.0)
+    first.started(0)  # at 0
+    for step in range(1, 5):  # at 1, 2, 3, 4: 1s a step, 0.25s of it waiting for data
+        first.step_done(step, data_wait=0.25, stall=0.0)
+    first.save()  # ... and the process dies after step 4, its last checkpoint at step 2
+    second = Goodput(tmp_path / "goodput.json", process_start=2.0)
+    second.started(2)  # at 5: 3s of start-up; steps 3 and 4 will be done again
+    assert second.seconds == {"compute": 1.5, "data_wait": 0.5, "checkpoint_stall": 0.0,
+                              "restore": 3.0, "lost": 2.0}
+    assert second.metrics()["goodput"] == pytest.approx(1.5 / 7.0)
+    second.step_done(3, data_wait=0.25, stall=0.0)  # at 6
+    # Step 4 goes bad; the rollback to step 2 begins at 6.5 and is done at 7: step 3 was in
+    # vain, and so was the half second of step 4.
+    second.rolled_back(bad_step=4, to_step=2, began=6.5)
+    assert second.seconds == {"compute": 1.5, "data_wait": 0.5, "checkpoint_stall": 0.0,
+                              "restore": 3.5, "lost": 3.5}

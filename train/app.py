@@ -18,6 +18,7 @@ from data.errors import DatasetError
 from data.loader import eval_batches
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
+from train import PROCESS_START
 from train.checkpoint import (CheckpointSchedule, Checkpointing, build_manager, resume,
                               training_config)
 from train.config import Device, Precision, StrategyName
@@ -26,6 +27,7 @@ from train.distributed import (World, broadcast_object, init_world, launched_by_
 from train.errors import (EXIT_CONFIG, EXIT_PREFLIGHT, ConfigError, PreflightError,
                           TrainingError)
 from train.faults import Faults, omitted_state_keys
+from train.goodput import Goodput
 from train.health import Guard, HealthMonitor, HealthState, Watchdog
 from train.launch import use_node_local_dirs
 from train.loop import LoopPlan, fit
@@ -58,7 +60,7 @@ def run(cfg: DictConfig) -> Dict[str, float]:
 
 def train(cfg: DictConfig) -> Dict[str, float]:
     OmegaConf.resolve(cfg)  # fixes run.name now, while Hydra's runtime is known
-    start = time.perf_counter()
+    start = PROCESS_START
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device)
     world = init_world(device, cfg.strategy.timeout_seconds, cfg.strategy.init_timeout_seconds)
@@ -139,16 +141,17 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     tracker = build_tracker(cfg.logger, rank=world.rank)
     with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:
         info.mlflow_run_id = broadcast_object(run_id, world)  # every rank saves the same
+        goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)
         metrics = fit(model, optimizer, scheduler, train_loader_at, val_loader, loop_plan,
-                      progress, guard, checkpoints, tracker)
+                      progress, guard, goodput, checkpoints, tracker)
         if checkpoints:
             checkpoints.close()
     weights = full_state_dict(model) if cfg.trainer.save_final_weights else None  # all ranks
     if weights is not None and world.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         torch.save(weights, run_dir / "model_final.pt")
-    log.info("done in %.0fs: %s", time.perf_counter() - start,
-             describe(metrics, ["train/loss", "val/loss", "val/top1"]))
+    log.info("done in %.0fs: %s; %s", time.perf_counter() - start,
+             describe(metrics, ["train/loss", "val/loss", "val/top1"]), goodput.summary())
     return metrics
 
 

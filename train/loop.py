@@ -19,6 +19,7 @@ from data.loader import Batch
 from data.metrics import data_metrics, record_batches
 from train.checkpoint import Checkpointing
 from train.errors import TrainingError
+from train.goodput import Goodput
 from train.health import Guard
 from train.parallel import gradient_sync, runs_in_lockstep
 from train.progress import StepProgress
@@ -70,11 +71,12 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         train_loader_at: Callable[[Progress], torch.utils.data.DataLoader],
         val_loader: torch.utils.data.DataLoader, plan: LoopPlan, position: Progress,
-        guard: Guard, checkpoints: Optional[Checkpointing] = None,
+        guard: Guard, goodput: Goodput, checkpoints: Optional[Checkpointing] = None,
         tracker: NullTracker = NullTracker()) -> Dict[str, float]:
     """Train from `position` to `plan.total_steps` optimizer steps; returns the last metrics
     of each kind."""
     last: Dict[str, float] = {}
+    goodput.started(position.step)
     train_loader = train_loader_at(position)
     batches = iter(train_loader)
     start = time.perf_counter()
@@ -87,7 +89,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         while step < plan.total_steps:
             step += 1
             guard.watchdog.beat()
-            micro_batches = fetch_global_batch(batches, plan.grad_accum_steps, window)
+            micro_batches, data_wait = fetch_global_batch(batches, plan.grad_accum_steps,
+                                                          window)
             record_batches(train_loader, micro_batches)
             if step == first_step:
                 first = {"data/first_batch_seconds": time.perf_counter() - start}
@@ -97,6 +100,7 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 record_step(ledger, plan, step, micro_batches, loss=None)
                 scheduler.step()
                 position.advance(plan.steps_per_epoch)
+                goodput.step_done(step, data_wait, stall=0.0)
                 continue
 
             guard.faults.at_step(step)
@@ -106,8 +110,11 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             bad_batch = guard.health.check_step(step, loss, grad_norm)
             drift = None if bad_batch else guard.health.check_replicas(step, model)
             if bad_batch or drift:  # only a bad batch is skipped: drift is not the data's fault
-                step = roll_back(bad_batch or drift, step, guard, checkpoints, tracker,
-                                 skip=bool(bad_batch))
+                began = time.perf_counter()
+                restored = roll_back(bad_batch or drift, step, guard, checkpoints, tracker,
+                                     skip=bool(bad_batch))
+                goodput.rolled_back(step, restored, began)
+                step = restored
                 train_loader = train_loader_at(position)
                 batches, window = iter(train_loader), Window()
                 continue
@@ -116,8 +123,11 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler.step()
             position.advance(plan.steps_per_epoch)
 
+            stall = 0.0
             if checkpoints and checkpoints.due(step, final=step == plan.total_steps):
-                window.checkpoint_stall_seconds += checkpoints.save(step)
+                stall = checkpoints.save(step)
+                window.checkpoint_stall_seconds += stall
+            goodput.step_done(step, data_wait, stall)
 
             if step % plan.log_every_steps == 0 or step == plan.total_steps:
                 steps_in_window = len(window.losses)
@@ -126,6 +136,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 metrics.update(data_metrics(train_loader))
                 if checkpoints:
                     metrics.update(checkpoints.metrics())
+                metrics.update(goodput.metrics())
+                goodput.save()
                 tracker.log_metrics(metrics, step)
                 progress.update(step, metrics)
                 last.update(metrics)
@@ -171,14 +183,15 @@ def roll_back(problem: str, step: int, guard: Guard, checkpoints: Optional[Check
 
 
 def fetch_global_batch(batches: Iterator[Batch], grad_accum_steps: int,
-                       window: Window) -> List[Batch]:
-    """The micro-batches of one optimizer step; each `next()` is timed as data wait."""
+                       window: Window) -> Tuple[List[Batch], float]:
+    """The micro-batches of one optimizer step, and how long the loop waited for them (each
+    `next()` is timed as data wait)."""
     micro_batches = []
     for _ in range(grad_accum_steps):
         t0 = time.perf_counter()
         micro_batches.append(next(batches))
         window.fetch_seconds.append(time.perf_counter() - t0)
-    return micro_batches
+    return micro_batches, sum(window.fetch_seconds[-grad_accum_steps:])
 
 
 def autocast(plan: LoopPlan):
