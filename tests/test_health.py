@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -103,22 +104,30 @@ def test_a_fault_fires_once_per_run_unless_every(tmp_path):
     assert math.isnan(every.poison_loss(2, torch.tensor(1.0)))
 
 
-def test_goodput_moves_redone_steps_to_lost_across_processes(tmp_path, monkeypatch):
-    clock = iter(range(100))  # perf_counter reads 0, 1, 2, ... seconds
-    monkeypatch.setattr("train.goodput.time.perf_counter", lambda: float(next(clock)))
+def test_goodput_moves_redone_steps_and_downtime_to_lost(tmp_path, monkeypatch):
+    now = [0.0]  # seconds on a fake clock: perf_counter, and the wall clock 1000s ahead
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "time", lambda: 1000 + now[0])
     first = Goodput(tmp_path / "goodput.json", process_start=0.0)
-    first.started(0)  # at 0
-    for step in range(1, 5):  # at 1, 2, 3, 4: 1s a step, 0.25s of it waiting for data
+    first.started(0)
+    for step in range(1, 5):  # 1s a step, 0.25s of it waiting for data
+        now[0] = step
         first.step_done(step, data_wait=0.25, stall=0.0)
-    first.save()  # ... and the process dies after step 4, its last checkpoint at step 2
-    second = Goodput(tmp_path / "goodput.json", process_start=2.0)
-    second.started(2)  # at 5: 3s of start-up; steps 3 and 4 will be done again
+    first.save()  # ... and the process dies at 4, its last checkpoint at step 2
+    now[0] = 9  # a new process started at 6 reaches its loop: 2s down, 3s of start-up
+    second = Goodput(tmp_path / "goodput.json", process_start=6.0)
+    second.started(2)  # steps 3 and 4 will be done again
     assert second.seconds == {"compute": 1.5, "data_wait": 0.5, "checkpoint_stall": 0.0,
-                              "restore": 3.0, "lost": 2.0}
-    assert second.metrics()["goodput"] == pytest.approx(1.5 / 7.0)
-    second.step_done(3, data_wait=0.25, stall=0.0)  # at 6
-    # Step 4 goes bad; the rollback to step 2 begins at 6.5 and is done at 7: step 3 was in
-    # vain, and so was the half second of step 4.
-    second.rolled_back(bad_step=4, to_step=2, began=6.5)
+                              "restore": 3.0, "lost": 2.0 + 2.0}
+    assert second.metrics()["goodput"] == pytest.approx(1.5 / 9.0)
+    now[0] = 10
+    second.step_done(3, data_wait=0.25, stall=0.0)
+    # Step 4 goes bad; the rollback to step 2 begins at 10.5 and is done at 11: step 3 was
+    # in vain, and so was the half second of step 4.
+    now[0] = 11
+    second.rolled_back(bad_step=4, to_step=2, began=10.5)
     assert second.seconds == {"compute": 1.5, "data_wait": 0.5, "checkpoint_stall": 0.0,
-                              "restore": 3.5, "lost": 3.5}
+                              "restore": 3.5, "lost": 5.5}
+    second.save(ended=True)
+    now[0] = 500  # a clean end: the time until the next run of the command is no one's
+    assert Goodput(tmp_path / "goodput.json", process_start=499.0).seconds["lost"] == 5.5

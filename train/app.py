@@ -146,6 +146,7 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
                       progress, guard, goodput, checkpoints, tracker)
         if checkpoints:
             checkpoints.close()
+        goodput.save(ended=True)
     weights = full_state_dict(model) if cfg.trainer.save_final_weights else None  # all ranks
     if weights is not None and world.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

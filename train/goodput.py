@@ -6,20 +6,19 @@ loads) and `lost` (steps done again after a crash or rollback: their time, first
 compute and data wait, moves here). `goodput` = compute / all of it.
 
 Rank 0 keeps the totals in `<run dir>/goodput.json`, rewritten at every log line, so the
-next process of the run continues them and knows how far the last one got. Time a crashed
-process spent after its last log line is not counted anywhere: a few steps at most.
+next process of the run continues them and knows how far the last one got. After a crash,
+the wall time from the dead process's last log line to the new process's start (its last
+steps, detecting the failure, the restart) is lost too; after a clean end, the time until
+someone runs the command again counts for nothing.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from pathlib import Path
 from typing import Dict, Optional
-
-log = logging.getLogger(__name__)
 
 PARTS = ("compute", "data_wait", "checkpoint_stall", "restore", "lost")
 
@@ -29,6 +28,7 @@ class Goodput:
         """`path`: the totals file (None on ranks other than 0: they keep no books);
         `process_start`: `time.perf_counter()` when this process began."""
         self.path, self.process_start = path, process_start
+        self.started_at = time.time() - (time.perf_counter() - process_start)  # wall clock
         self.seconds: Dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.reached = 0  # the highest step this run's processes are known to have done
         self.counted_steps = 0  # steps whose time is in compute and data_wait
@@ -37,6 +37,8 @@ class Goodput:
             saved = json.loads(path.read_text())
             self.seconds.update({k: float(v) for k, v in saved["seconds"].items()})
             self.reached, self.counted_steps = int(saved["reached"]), int(saved["counted_steps"])
+            if not saved["ended"]:  # the last process died: the time since its last word
+                self.seconds["lost"] += max(self.started_at - float(saved["saved_at"]), 0.0)
 
     def started(self, step: int) -> None:
         """The loop starts at `step`: what came before was restore; steps beyond it that an
@@ -82,14 +84,16 @@ class Goodput:
         return {"goodput": self.seconds["compute"] / total if total else 0.0,
                 **{f"goodput/{part}_seconds": s for part, s in self.seconds.items()}}
 
-    def save(self) -> None:
-        """Rank 0: write the totals (atomically: a crash mid-write keeps the old ones)."""
+    def save(self, ended: bool = False) -> None:
+        """Rank 0: write the totals (atomically: a crash mid-write keeps the old ones);
+        `ended` when the process ends cleanly."""
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"seconds": self.seconds, "reached": self.reached,
-                                   "counted_steps": self.counted_steps}))
+                                   "counted_steps": self.counted_steps,
+                                   "saved_at": time.time(), "ended": ended}))
         os.replace(tmp, self.path)
 
     def summary(self) -> str:
