@@ -153,15 +153,16 @@ def samples_per_step(ledger: Path) -> Dict[int, List[int]]:
             for step, records in surviving_history(ledger).items()}
 
 
-def assert_exactly_once(ledger: Path, epochs: int = EPOCHS) -> None:
+def assert_exactly_once(ledger: Path, epochs: int = EPOCHS,
+                        steps_per_epoch: int = STEPS_PER_EPOCH) -> None:
     """Every sample of every epoch exactly once in the surviving history, with every rank of
     each step present."""
     history = surviving_history(ledger)
-    assert sorted(history) == list(range(1, STEPS_PER_EPOCH * epochs + 1)), sorted(history)
+    assert sorted(history) == list(range(1, steps_per_epoch * epochs + 1)), sorted(history)
     for step, records in history.items():
         assert [r["rank"] for r in records] == list(range(records[0]["world"])), step
     for epoch in range(epochs):
-        seen = [i for s in range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1)
+        seen = [i for s in range(epoch * steps_per_epoch + 1, (epoch + 1) * steps_per_epoch + 1)
                 for r in history[s] for i in r["samples"]]
         assert len(seen) == len(set(seen)) == NUM_TRAIN, f"epoch {epoch}"
 

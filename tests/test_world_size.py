@@ -1,8 +1,8 @@
-"""World-size changes under torchrun: 2 ranks -> 1 -> 2. The same samples in every global
-step as a fixed-size run, every sample once per epoch, and what each resume loaded equal to
-what was saved. The model has no BatchNorm (on CPU its statistics come from the per-rank
-batch, so with BatchNorm the trajectory legitimately depends on the world size), so the
-losses must match the fixed-size run's closely too."""
+"""World-size changes under torchrun: 2 ranks -> 1 -> 2, and 2 -> 3. The same samples in
+every global step as a fixed-size run, every sample once per epoch, and what each resume
+loaded equal to what was saved. The model has no BatchNorm (on CPU its statistics come from
+the per-rank batch, so with BatchNorm the trajectory legitimately depends on the world
+size), so the losses must match the fixed-size run's closely too."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import torchrun
+from data.sampler import epoch_permutation
 from faultlib import (FINAL, assert_exactly_once, run_job, samples_per_step,
                       surviving_history, train_args)
 from test_resume import checkpoint_contents
@@ -22,9 +23,8 @@ SINGLE = [sys.executable]
 
 
 def args(tiny_root: Path, root: Path, world: int, *extra: str) -> list:
-    strategy = "strategy=ddp" if world > 1 else "strategy=single"
-    return [*train_args(tiny_root, root, "model=tiny_cnn_nobn", "model.dropout=0"), strategy,
-            *extra]
+    return train_args(tiny_root, root, "model=tiny_cnn_nobn", "model.dropout=0", *extra,
+                      strategy="ddp" if world > 1 else "single")
 
 
 def launcher(world: int) -> list:
@@ -37,10 +37,12 @@ def global_losses(ledger: Path) -> Dict[int, float]:
             for step, records in surviving_history(ledger).items()}
 
 
-def assert_loaded_what_was_saved(tiny_root: Path, root: Path, world: int, step: int) -> None:
+def assert_loaded_what_was_saved(tiny_root: Path, root: Path, world: int, step: int,
+                                 *extra: str) -> None:
     """Resume at `world` ranks with nothing left to train: the weights the run then writes
     are exactly what it loaded, and must be exactly what step `step` saved."""
-    run_job(launcher(world), args(tiny_root, root, world, f"trainer.max_steps={step}"))
+    run_job(launcher(world), args(tiny_root, root, world, *extra,
+                                  f"trainer.max_steps={step}"))
     saved = checkpoint_contents(root / "r" / "checkpoints" / f"step_{step:09d}")
     loaded = torch.load(root / "r" / "model_final.pt", weights_only=True)
     assert loaded.keys() == {k[len("model."):] for k in saved if k.startswith("model.")}
@@ -72,3 +74,20 @@ def test_world_size_2_then_1_then_2(tiny_root, tmp_path, fixed_size):
     for step in ours:  # summation order differs with the world size: close, not equal
         assert ours[step] == pytest.approx(reference[step], rel=1e-4), step
     assert (tmp_path / "r" / "checkpoints" / FINAL).exists()
+
+
+def test_world_size_2_then_3(tiny_root, tmp_path):
+    """Three ranks split each global batch of 30 in 10s: every step's samples are the global
+    batch the data order defines (whatever the world size), each sample once per epoch."""
+    ledger, batch = tmp_path / "ledger.jsonl", "data.global_batch_size=30"
+    run_job(torchrun(2), args(tiny_root, tmp_path, 2, batch, "trainer.max_steps=3"))
+    assert_loaded_what_was_saved(tiny_root, tmp_path, 3, 3, batch)
+    run_job(torchrun(3), args(tiny_root, tmp_path, 3, batch))
+    worlds = {step: records[0]["world"] for step, records in surviving_history(ledger).items()}
+    assert worlds == {s: 2 if s <= 3 else 3 for s in range(1, 9)}
+    expected = {}
+    for step in range(1, 9):  # 4 steps of 30 per epoch of 120
+        epoch, within = divmod(step - 1, 4)
+        expected[step] = sorted(epoch_permutation(0, epoch, 120)[within * 30:][:30].tolist())
+    assert samples_per_step(ledger) == expected
+    assert_exactly_once(ledger, steps_per_epoch=4)
