@@ -30,10 +30,11 @@ def train_args(tiny_root: Path, run_root: Path, *extra: str,
 
 
 def launch(prefix: List[str], args: List[str], fault: str = "",
-           log: Optional[Path] = None) -> subprocess.Popen:
+           log: Optional[Path] = None, **env: str) -> subprocess.Popen:
     """Start a launcher (torchrun, or python itself) in a session of its own, as a job
-    scheduler would: killing the session's process group kills the whole "node"."""
-    env = train_env(**({"GOODPUT_FAULT": fault} if fault else {}))
+    scheduler would (torchrun's workers then start sessions of their own: `kill_node` kills
+    an agent with its workers). `env`: more environment variables."""
+    env = train_env(**({"GOODPUT_FAULT": fault} if fault else {}), **env)
     out = open(log, "a") if log else subprocess.PIPE
     return subprocess.Popen([*prefix, *args], cwd=REPO, env=env, stdout=out,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -215,3 +215,27 @@ def test_elastic_job_goes_on_without_a_dead_node(tiny_root, tmp_path):
     worlds = [r["world"] for r in ledger_records(ledger)]
     assert 2 in worlds and worlds[-1] == 1
     assert_exactly_once(ledger)
+
+
+def test_an_elastic_job_grows_and_shrinks_with_fresh_store_addresses(tiny_root, tmp_path):
+    """With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the README's workaround for torch 2.14's
+    scale-up deadlock), each round's rank 0 hosts a fresh store: a second node joins a
+    running job (1 -> 2 ranks), then dies (2 -> 1), and every sample of every epoch is
+    still trained exactly once."""
+    endpoint, epochs = f"127.0.0.1:{free_port()}", 30  # long enough to grow while it runs
+    ledger = tmp_path / "ledger.jsonl"
+    args = train_args(tiny_root, tmp_path, f"trainer.max_epochs={epochs}")
+    agent = [torchrun(1, max_restarts=3, nnodes="1:2", rdzv_endpoint=endpoint,
+                      rdzv_conf="last_call_timeout=1,join_timeout=60"), args]
+    fresh = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    first = launch(*agent, **fresh)
+    wait_for(lambda: len(ledger_records(ledger)) >= 3, "steps at world size 1", proc=first)
+    second = launch(*agent, **fresh)
+    wait_for(lambda: sum(r["world"] == 2 for r in ledger_records(ledger)) >= 6,
+             "steps at world size 2", proc=first)
+    kill_node(second)
+    out = finish(first)
+    assert first.returncode == 0, out[-4000:]
+    worlds = [r["world"] for r in ledger_records(ledger)]
+    assert worlds[0] == 1 and 2 in worlds and worlds[-1] == 1
+    assert_exactly_once(ledger, epochs=epochs)
