@@ -154,8 +154,8 @@ class StrategyConfig:
     # fsdp: free gathered parameters after each unit's forward (and gather them again for
     # backward): less memory for one more all-gather per unit.
     fsdp_reshard_after_forward: bool = True
-    # Process-group creation and every collective give up after this long (never torch's
-    # 30-minute default): a dead or frozen peer ends the group, and torchrun restarts it.
+    # Every collective gives up after this long (never torch's 30-minute default): a dead or
+    # frozen peer fails the group, and torchrun restarts it.
     timeout_seconds: float = 300.0
     # Joining the group: peers may still be starting (importing torch, loading data), so
     # this is longer; a rank that never shows up still fails the round after it.
