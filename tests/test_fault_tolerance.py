@@ -12,6 +12,7 @@ import os
 import random
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -193,17 +194,18 @@ def test_elastic_job_goes_on_without_a_dead_node(tiny_root, tmp_path):
     """`--nnodes 1:2`: two agents train at world size 2; the agent that does not host the
     rendezvous store dies with its workers (the whole "node"); the other re-forms the job
     at world size 1 and finishes, every sample of every epoch exactly once."""
-    endpoint = f"127.0.0.1:{free_port()}"
+    port, epochs = free_port(), 4  # 24 steps: time to kill a node while they run
     ledger = tmp_path / "ledger.jsonl"
-    args = train_args(tiny_root, tmp_path)
+    args = train_args(tiny_root, tmp_path, f"trainer.max_epochs={epochs}")
     # Both agents must form the first round together: in torch 2.14 a node that joins a
-    # running job (scale-up) deadlocks the shared-store rendezvous (see README).
-    conf = "last_call_timeout=8,join_timeout=120"
-    host = launch(torchrun(1, max_restarts=3, nnodes="1:2", rdzv_endpoint=endpoint,
-                           rdzv_conf=conf), args)
-    time.sleep(1)  # the first agent binds the endpoint: it hosts the store
-    other = launch(torchrun(1, max_restarts=3, nnodes="1:2", rdzv_endpoint=endpoint,
-                            rdzv_conf=conf), args)
+    # running job (scale-up) deadlocks the shared-store rendezvous (see README). The first
+    # round closes as soon as both are in; only the round after the kill waits it out.
+    agent = [torchrun(1, max_restarts=3, nnodes="1:2", rdzv_endpoint=f"127.0.0.1:{port}",
+                      rdzv_conf="last_call_timeout=15,join_timeout=120"), args]
+    host = launch(*agent)
+    wait_for(lambda: port_open(port), "the first agent to host the rendezvous store",
+             proc=host)
+    other = launch(*agent)
     wait_for(lambda: any(r["world"] == 2 for r in ledger_records(ledger)[2:]),
              "steps at world size 2", proc=host)
     kill_node(other)
@@ -214,7 +216,15 @@ def test_elastic_job_goes_on_without_a_dead_node(tiny_root, tmp_path):
     assert host.returncode == 0, out[-4000:]
     worlds = [r["world"] for r in ledger_records(ledger)]
     assert 2 in worlds and worlds[-1] == 1
-    assert_exactly_once(ledger)
+    assert_exactly_once(ledger, epochs=epochs)
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 def test_an_elastic_job_grows_and_shrinks_with_fresh_store_addresses(tiny_root, tmp_path):
