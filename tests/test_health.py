@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 
 import pytest
 import torch
 
+from faultlib import ledger_records, run_job, train_args
 from train.config import HealthConfig
-from train.errors import TrainingError
+from train.errors import ConfigError, TrainingError
 from train.faults import Faults, parse
 from train.goodput import Goodput
 from train.health import HealthMonitor, HealthState, parameter_checksum
@@ -86,10 +88,12 @@ def test_fault_grammar(tmp_path):
     assert [(f.action, f.rank, f.step, f.save, f.phase) for f in faults] == [
         ("kill", 1, 5, None, None), ("nan", None, 3, None, None),
         ("kill", None, None, 2, "uploaded")]
-    with pytest.raises(ValueError, match="unknown fault 'explode:step=1'"):
+    with pytest.raises(ConfigError, match="cannot read 'explode:step=1' \\(unknown action"):
         parse("explode:step=1")
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(ConfigError, match="unknown key"):
         parse("nan:stp=3")
+    with pytest.raises(ConfigError, match="cannot read 'nan:step=three'"):
+        parse("nan:step=three")
 
 
 def test_a_fault_fires_once_per_run_unless_every(tmp_path):
@@ -131,3 +135,17 @@ def test_goodput_moves_redone_steps_and_downtime_to_lost(tmp_path, monkeypatch):
     second.save(ended=True)
     now[0] = 500  # a clean end: the time until the next run of the command is no one's
     assert Goodput(tmp_path / "goodput.json", process_start=499.0).seconds["lost"] == 5.5
+
+
+def test_a_bad_step_before_any_checkpoint_fails_once_then_is_skipped(tiny_root, tmp_path):
+    """Nothing to roll back to: the process exits 1 with one line; the same command again
+    (what torchrun --max-restarts does) starts afresh and skips that step's batch."""
+    args = train_args(tiny_root, tmp_path, "trainer.max_steps=3", strategy="single")
+    out = run_job([sys.executable], args, fault="nan:step=1", expect=1)
+    assert "error: non-finite loss at step 1, and no checkpoint to roll back to: run the " \
+           "same command again" in out and "Traceback" not in out
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    run_job([sys.executable], args, fault="nan:step=1")  # fired already: it fires once
+    records = ledger_records(tmp_path / "ledger.jsonl")
+    assert [(r["step"], r.get("skipped", False)) for r in records] == [
+        (1, True), (2, False), (3, False)]

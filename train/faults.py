@@ -36,6 +36,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from train.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "GOODPUT_FAULT"
@@ -59,25 +61,32 @@ class Fault:
 
 
 def parse(text: str) -> List[Fault]:
+    """The faults `text` names; a ConfigError (one line, exit 2) for anything else."""
     faults = []
     for spec in filter(None, (s.strip() for s in text.split(";"))):
         parts = spec.split(":")
         if parts[0] == "omit":
             continue
-        if parts[:2] == ["kill", "checkpoint"] and len(parts) == 4:
-            faults.append(Fault(spec, "kill", save=int(parts[2]), phase=parts[3]))
-            continue
-        if parts[0] not in ACTIONS:
-            raise ValueError(f"{FAULT_ENV}: unknown fault '{spec}' (actions: "
-                             f"{', '.join(ACTIONS)})")
-        fields: Dict[str, str] = dict(p.split("=", 1) for p in parts[1:])
-        ints = {k: int(fields.pop(k)) for k in ("rank", "step", "save") if k in fields}
-        faults.append(Fault(spec, parts[0], phase=fields.pop("phase", None),
-                            at=fields.pop("at", None), every=fields.pop("every", "0") == "1",
-                            **ints))
-        if fields:
-            raise ValueError(f"{FAULT_ENV}: unknown key(s) {sorted(fields)} in '{spec}'")
+        try:
+            faults.append(_parse_one(spec, parts))
+        except ValueError as err:  # int("x"), a field without "=", ...
+            raise ConfigError(f"{FAULT_ENV}: cannot read '{spec}' ({err}): see the grammar "
+                              f"in train/faults.py") from None
     return faults
+
+
+def _parse_one(spec: str, parts: List[str]) -> Fault:
+    if parts[:2] == ["kill", "checkpoint"] and len(parts) == 4:
+        return Fault(spec, "kill", save=int(parts[2]), phase=parts[3])
+    if parts[0] not in ACTIONS:
+        raise ValueError(f"unknown action; actions: {', '.join(ACTIONS)}")
+    fields: Dict[str, str] = dict(p.split("=", 1) for p in parts[1:])
+    ints = {k: int(fields.pop(k)) for k in ("rank", "step", "save") if k in fields}
+    fault = Fault(spec, parts[0], phase=fields.pop("phase", None), at=fields.pop("at", None),
+                  every=fields.pop("every", "0") == "1", **ints)
+    if fields:
+        raise ValueError(f"unknown key(s) {sorted(fields)}")
+    return fault
 
 
 def omitted_state_keys() -> List[str]:
