@@ -313,8 +313,11 @@ class CheckpointManager:
             try:
                 for i, part in enumerate(parts):
                     if part:
+                        # The header loads partially: a key it gained since the checkpoint
+                        # was saved keeps its live value (check_header judges it).
                         dcp.load(part, storage_reader=safe_reader(source, source != remote_url),
-                                 planner=SafeLoadPlanner(), **self._dcp_kwargs())
+                                 planner=SafeLoadPlanner(allow_partial_load=i == 0),
+                                 **self._dcp_kwargs())
                     if i == 0:
                         check_header()
             except CheckpointException as err:

@@ -1,6 +1,16 @@
 """Run identity: the same command lands in the same run, sweep jobs never share one."""
 
+import re
+
+import pytest
+
+from conftest import compose_config
+from train.checkpoint import build_manager, resume, training_config
 from train.config import DEFAULT_RUN_NAME_EXCLUDES, default_run_name
+from train.distributed import World
+from train.errors import ConfigError
+from train.faults import Faults
+from train.state import Progress, RunInfo, TrainerState
 
 
 def name(overrides, multirun=False, experiment="resnet"):
@@ -37,3 +47,92 @@ def test_long_names_are_shortened_but_stay_distinct():
     a = name([f"data.root=/{'x' * 200}"])
     b = name([f"data.root=/{'y' * 200}"])
     assert len(a) <= 120 and len(b) <= 120 and a != b
+
+
+LOCATIONS = ["checkpoint.dir=/x/ck", "checkpoint.staging_dir=/nvme/stage",
+             "data.cache_dir=/nvme/cache", "run.root=/x/runs", "audit.ledger=/x/l.jsonl",
+             "logger.tracking_uri=http://u:pw@mlflow:5000", "hydra.run.dir=/x/y"]
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_where_files_go_is_never_part_of_a_name_not_even_in_a_sweep(multirun):
+    assert name(["+experiment=resnet", "optim.lr=0.2", *LOCATIONS], multirun) == (
+        "resnet-optim.lr=0.2")
+
+
+@pytest.mark.parametrize("key", ["data.root", "model.name", "checkpoint.interval_steps"])
+def test_credentials_never_reach_a_name(key):
+    for value in ["http://alice:s3cret@host/vol", "s3://bucket/vol?X-Amz-Signature=s3cret",
+                  "https://host/vol?sig=s3cret&x=1", "webdav://s3cret@host/d/"]:
+        for multirun in (False, True):
+            assert "s3cret" not in name([f"{key}={value}"], multirun)
+
+
+def test_a_long_path_is_shortened_to_its_last_component_and_a_hash():
+    a = name(["data.root=/tmp/pytest-of-root/pytest-12/test_sweep0/vol", "optim.lr=0.1"])
+    assert re.fullmatch(r"resnet-data\.root=vol~[0-9a-f]{8},optim\.lr=0\.1", a)
+    assert a != name(["data.root=/tmp/pytest-of-root/pytest-13/test_sweep0/vol",
+                      "optim.lr=0.1"])
+    assert name(["data.root=https://u:p@host/data/imagenet/?token=t"]).startswith(
+        "resnet-data.root=imagenet~")
+
+
+def test_names_are_plain_directory_names_and_distinct_for_distinct_overrides():
+    values = ["0.1", "a b", "a_b", "a/b", "b", "..", ".", "", "x" * 32, "x" * 33, "*", "$HOME",
+              "a,b", "a=b", "é", "line\nbreak", "vol~0123abcd", "'q'", "[1,2]", "-5", "a\x00b"]
+    overrides = [[f"model.name={v}"] for v in values] + [
+        ["model.name=a", "optim.lr=b"], ["model.name=a,optim.lr=b"], ["~model.name"],
+        [f"data.root=/{'x' * 200}"], [f"data.root=/{'x' * 199}"]]
+    names = [name(o) for o in overrides]
+    for n in names:
+        assert re.fullmatch(r"[A-Za-z0-9._+~,=-]{1,120}", n) and n not in (".", ".."), n
+    assert len(set(names)) == len(names)
+
+
+class RunInfoBeforeNames(RunInfo):
+    """A checkpoint header as saved before run names were recorded."""
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if k != "run_name"}
+
+
+def resume_as(tmp_path, run_name, *overrides, save_with=None):
+    """`resume()` of run `run_name` over the shared checkpoint.dir; with `save_with` (a
+    RunInfo class), then a save at its next step, as a run does."""
+    cfg = compose_config(["+experiment=resnet", f"run.name='{run_name}'", "logger=none",
+                          f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.async_mode=off",
+                          *overrides])
+    world = World(rank=0, world_size=1, local_rank=0, checkpoint_group=None)
+    manager = build_manager(cfg, world, Faults([], 0, tmp_path))
+    progress = Progress()
+    state = {"trainer": TrainerState(progress),
+             "run": (save_with or RunInfo)(mlflow_run_id=f"mlflow-{run_name}",
+                                           config=training_config(cfg))}
+    try:
+        run_id = resume(cfg, manager, state, world, Faults([], 0, tmp_path))
+        if save_with:
+            progress.step += 1
+            manager.save(progress.step, state)
+        return run_id, progress.step
+    finally:
+        manager.close()
+
+
+def test_another_runs_checkpoint_is_never_resumed(tmp_path):
+    assert resume_as(tmp_path, "resnet-optim.lr=0.1", save_with=RunInfo) == (None, 1)
+    with pytest.raises(ConfigError, match=re.escape(
+            "holds checkpoints of another run ('resnet-optim.lr=0.1'), not of this run "
+            "(resnet-optim.lr=0.05): give every run a checkpoint.dir of its own, e.g. "
+            "checkpoint.dir=/some/dir/${run.name}")):
+        resume_as(tmp_path, "resnet-optim.lr=0.05")
+    assert resume_as(tmp_path, "resnet-optim.lr=0.1") == ("mlflow-resnet-optim.lr=0.1", 1)
+
+
+def test_a_checkpoint_saved_before_names_were_recorded_resumes_by_its_identity_keys(tmp_path):
+    resume_as(tmp_path, "old", save_with=RunInfoBeforeNames)
+    assert resume_as(tmp_path, "renamed", save_with=RunInfo) == ("mlflow-old", 2)
+    with pytest.raises(ConfigError, match="holds checkpoints of another run"):
+        resume_as(tmp_path, "old")  # the new checkpoint records its run's name
+    resume_as(tmp_path / "other", "old", save_with=RunInfoBeforeNames)
+    with pytest.raises(ConfigError, match="model.name changed since the checkpoint"):
+        resume_as(tmp_path / "other", "old", "model=tiny_cnn")

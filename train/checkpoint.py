@@ -64,7 +64,18 @@ def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[st
         return None
     info: RunInfo = state["run"]
     current_config = dict(info.config)
+    # The header loads partially: a checkpoint saved before run names were recorded keeps
+    # this one, and is judged by the identity keys alone.
+    info.run_name = cfg.run.name
+
     def refuse_another_run() -> None:
+        if info.run_name not in (None, cfg.run.name):
+            raise ConfigError(
+                f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints of another run "
+                f"({info.run_name[:200]!r}), not of this run ({cfg.run.name}): give every run "
+                f"a checkpoint.dir of its own, e.g. checkpoint.dir=/some/dir/${{run.name}} (the "
+                f"default is ${{run.root}}/${{run.name}}/checkpoints), or run.name= that run's "
+                f"name to continue it")
         refused = [k for k in changed_keys(info.config, current_config) if k in IDENTITY_KEYS]
         if refused:
             raise ConfigError(f"cannot resume {cfg.run.name}: {', '.join(refused)} changed "
@@ -156,7 +167,8 @@ class Checkpointing:
     def roll_back(self) -> Optional[int]:
         """Load the newest complete checkpoint into the live state (None: there is none)."""
         self.manager.wait()  # a save in flight holds a good, newer state: let it land
-        step = self.manager.load_latest(self.state, rng_if_resized(self.world_size))
+        step = self.manager.load_latest(self.state, rng_if_resized(self.world_size),
+                                        header=["run"])  # loads partially, as on resume
         if step is not None:
             rederive_rng_if_resized(self.manager, self.state, self.world_size, self.seed, step)
             self.schedule.last_save_step = step

@@ -7,17 +7,22 @@ any work is done.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+from typing import Any, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from data.errors import OnBadFile
+from data.redact import strip_credentials
+from train.errors import ConfigError
 from train.launch import register_resolvers as register_launch_resolvers
 
 
@@ -67,6 +72,65 @@ class LoggerName(str, Enum):
     none = "none"
 
 
+SEED_MAX = 2**32 - 1  # numpy's seeds are 32-bit
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric key allows: `ge`/`gt` below, `le`/`lt` above (None: unbounded).
+
+    Hydra checks types only, so without these a `checkpoint.interval_steps=0` or a
+    `data.num_workers=-1` would surface as a traceback deep in the run (or, worse, as a quiet
+    substitute value); `validate` checks every bounded key at start instead.
+    """
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+
+    def allows(self, value: float) -> bool:
+        return (math.isfinite(value)
+                and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def __str__(self) -> str:
+        return " and ".join(f"{op} {int(limit) if float(limit).is_integer() else limit}"
+                            for op, limit in ((">=", self.ge), (">", self.gt),
+                                              ("<=", self.le), ("<", self.lt))
+                            if limit is not None)
+
+
+def bounded(default: Any, **bounds: float) -> Any:
+    """A schema field with `Bounds(**bounds)`; a callable `default` is a default factory
+    (lists). An Optional field's null is always allowed."""
+    metadata = {"bounds": Bounds(**bounds)}
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -> None:
+    """Raise `ConfigError` naming the first numeric key outside its `Bounds`: the key, the
+    value and the allowed range, in one line. Hydra builds the config without running any
+    dataclass code, so this walks the composed config against the schema's fields."""
+    schema = schema or Config
+    types = get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        key = f"{prefix}{spec.name}"
+        if dataclasses.is_dataclass(types[spec.name]):
+            validate(cfg[spec.name], types[spec.name], f"{key}.")
+            continue
+        if "bounds" not in spec.metadata:
+            continue
+        bounds: Bounds = spec.metadata["bounds"]
+        value = cfg[spec.name]
+        for item in (value if OmegaConf.is_list(value) else [value]):
+            if item is not None and not bounds.allows(item):
+                finite = "" if math.isfinite(item) else "a finite number "
+                raise ConfigError(f"{key}={value} is out of range: it must be {finite}{bounds}")
+
+
 # Overrides that change how a run is executed or observed but not what it trains: they are
 # left out of the default run name so that, e.g., extending `trainer.max_steps` resumes the
 # same run instead of starting a new one. Prefixes match whole key segments.
@@ -107,17 +171,17 @@ class RunConfig:
 class ModelConfig:
     # Any torchvision classification model: torchvision.models.list_models(torchvision.models)
     name: str = "resnet18"
-    dropout: float = 0.0  # on the classifier's input (it draws from the global RNG)
+    dropout: float = bounded(0.0, ge=0, lt=1)  # on the classifier's input (it draws from the global RNG)
 
 
 @dataclass
 class SyntheticConfig:
     """The embedded shapes dataset, generated on first use when `data.root` is `dir`."""
 
-    num_train: int = 10000
-    num_val: int = 2000
-    size: int = 96  # image width in pixels; height is 3/4 of it (like ImageNet's 500x375)
-    seed: int = 0
+    num_train: int = bounded(10000, ge=1)
+    num_val: int = bounded(2000, ge=1)
+    size: int = bounded(96, ge=8)  # image width in pixels; height is 3/4 of it (like ImageNet's 500x375)
+    seed: int = bounded(0, ge=0, le=SEED_MAX)
     dir: str = "datasets/shapes-seed${.seed}-train${.num_train}-val${.num_val}-size${.size}"
 
 
@@ -127,26 +191,30 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # The node cache on local disk, shared by all ranks and workers of a node; null = none.
     cache_dir: Optional[str] = "${run.root}/${run.name}/data_cache"
-    cache_limit_gb: float = 50.0  # hard budget, 10^9 bytes; least recently used files go
+    cache_limit_gb: float = bounded(50.0, gt=0)  # hard budget, 10^9 bytes; least recently used files go
     on_bad_file: OnBadFile = OnBadFile.skip  # a corrupt/unreadable file: skip it, or fail
-    read_retries: int = 5  # per file, on transient volume errors, with exponential backoff
-    retry_backoff_seconds: float = 0.1
+    read_retries: int = bounded(5, ge=0)  # per file, on transient volume errors, with exponential backoff
+    retry_backoff_seconds: float = bounded(0.1, ge=0)
     reindex: bool = False  # list the volume again instead of reusing the stored index
-    global_batch_size: int = 128  # samples consumed by one optimizer step, over all ranks
-    val_batch_size: int = 256
-    num_workers: int = 2
-    prefetch_factor: int = 4  # batches each worker decodes ahead
-    prefetch_threads: int = 16  # threads fetching upcoming files into the cache
-    prefetch_batches: int = 8  # how many batches ahead those threads fetch
-    image_size: int = 64
-    crop_scale_min: float = 0.35  # RandomResizedCrop's lower area bound
+    global_batch_size: int = bounded(128, ge=1)  # samples consumed by one optimizer step, over all ranks
+    val_batch_size: int = bounded(256, ge=1)
+    num_workers: int = bounded(2, ge=0)
+    prefetch_factor: int = bounded(4, ge=1)  # batches each worker decodes ahead
+    prefetch_threads: int = bounded(16, ge=0)  # threads (0: none) fetching upcoming files into the cache
+    prefetch_batches: int = bounded(8, ge=1)  # how many batches ahead those threads fetch
+    image_size: int = bounded(64, ge=8)
+    crop_scale_min: float = bounded(0.35, gt=0, le=1)  # RandomResizedCrop's lower area bound
+    # A file whose header declares more pixels (width x height) is a bad file, refused before
+    # it is decoded: a 1.4 KB JPEG can declare 30000x30000 and take gigabytes to decode.
+    # The default is PIL's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS).
+    max_image_pixels: int = bounded(89_478_485, ge=1)
 
 
 @dataclass
 class StrategyConfig:
     name: StrategyName = StrategyName.single
     # ddp: gradients are all-reduced in buckets of this size while backward still runs.
-    ddp_bucket_cap_mb: float = 25.0
+    ddp_bucket_cap_mb: float = bounded(25.0, gt=0)
     # fsdp: modules of these classes (by class name) are sharded as units of their own, so
     # only one block's parameters are gathered at a time; what is left goes to the root.
     fsdp_wrap: List[str] = field(
@@ -156,42 +224,42 @@ class StrategyConfig:
     fsdp_reshard_after_forward: bool = True
     # Every collective gives up after this long (never torch's 30-minute default): a dead or
     # frozen peer fails the group, and torchrun restarts it.
-    timeout_seconds: float = 300.0
+    timeout_seconds: float = bounded(300.0, gt=0)
     # Joining the group: peers may still be starting (importing torch, loading data), so
     # this is longer; a rank that never shows up still fails the round after it.
-    init_timeout_seconds: float = 600.0
+    init_timeout_seconds: float = bounded(600.0, gt=0)
 
 
 @dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.sgd
-    lr: float = 0.1
-    weight_decay: float = 5e-4
-    momentum: float = 0.9
+    lr: float = bounded(0.1, gt=0)
+    weight_decay: float = bounded(5e-4, ge=0)
+    momentum: float = bounded(0.9, ge=0, lt=1)
     nesterov: bool = True
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: List[float] = bounded(lambda: [0.9, 0.999], ge=0, lt=1)  # each of them
 
 
 @dataclass
 class SchedulerConfig:
     name: SchedulerName = SchedulerName.cosine
-    warmup_steps: int = 100
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of the peak lr
-    step_epochs: int = 3  # step: multiply lr by gamma every step_epochs epochs
-    gamma: float = 0.1
+    warmup_steps: int = bounded(100, ge=0)
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)  # cosine floor, as a fraction of the peak lr
+    step_epochs: int = bounded(3, ge=1)  # step: multiply lr by gamma every step_epochs epochs
+    gamma: float = bounded(0.1, gt=0)
 
 
 @dataclass
 class TrainerConfig:
-    max_epochs: int = 10  # the planned length: the lr schedule spans it
-    max_steps: Optional[int] = None  # stop early at this optimizer step (the schedule is kept)
+    max_epochs: int = bounded(10, ge=1)  # the planned length: the lr schedule spans it
+    max_steps: Optional[int] = bounded(None, ge=1)  # stop early at this optimizer step (the schedule is kept)
     device: Device = Device.auto
     precision: Precision = Precision.auto
-    grad_accum_steps: int = 1
-    grad_clip_norm: Optional[float] = None
-    label_smoothing: float = 0.0
-    val_every_epochs: int = 1
-    log_every_steps: int = 10
+    grad_accum_steps: int = bounded(1, ge=1)
+    grad_clip_norm: Optional[float] = bounded(None, gt=0)
+    label_smoothing: float = bounded(0.0, ge=0, lt=1)
+    val_every_epochs: int = bounded(1, ge=1)
+    log_every_steps: int = bounded(10, ge=1)
     save_final_weights: bool = True
 
 
@@ -203,13 +271,13 @@ class CheckpointConfig:
     # The fast local tier (NVMe): DCP writes here, a background upload copies to `dir`.
     # null = write straight to `dir` (right when `dir` is itself a local disk).
     staging_dir: Optional[str] = None
-    interval_steps: int = 100
+    interval_steps: int = bounded(100, ge=1)
     auto_interval: bool = False  # choose the interval by Young/Daly from the measured stall
-    mtbf_hours: float = 4.0  # mean time between failures of the whole job
-    keep_last: int = 3
+    mtbf_hours: float = bounded(4.0, gt=0)  # mean time between failures of the whole job
+    keep_last: int = bounded(3, ge=1)
     async_mode: AsyncMode = AsyncMode.thread
     resume: ResumeMode = ResumeMode.auto
-    commit_timeout_s: float = 600.0  # rank 0 waits this long for every rank's marker
+    commit_timeout_s: float = bounded(600.0, gt=0)  # rank 0 waits this long for every rank's marker
 
 
 @dataclass
@@ -231,18 +299,19 @@ class HealthConfig:
     """Rollback on bad steps, replica checks, and the hang watchdog (train/health.py)."""
 
     enabled: bool = True
-    spike_factor: float = 10.0  # a loss above this x the running median is a spike
-    median_window: int = 50  # steps in that running median (saved in checkpoints)
-    min_history: int = 10  # spikes are only judged once the window holds this many losses
-    max_rollbacks: int = 3  # per process lifetime; one more bad step fails the run
-    replica_check_steps: int = 100  # DDP: compare a parameter checksum across ranks; 0 = off
-    hang_seconds: float = 600.0  # a rank with no progress for this long dumps stacks, exits
+    spike_factor: float = bounded(10.0, gt=1)  # a loss above this x the running median is a spike
+    median_window: int = bounded(50, ge=1)  # steps in that running median (saved in checkpoints)
+    min_history: int = bounded(10, ge=1)  # spikes are only judged once the window holds this many losses
+    max_rollbacks: int = bounded(3, ge=0)  # per process lifetime; one more bad step fails the run
+    replica_check_steps: int = bounded(100, ge=0)  # DDP: compare a parameter checksum across ranks; 0 = off
+    # A rank with no progress for this long dumps stacks and exits; 0 = no watchdog.
+    hang_seconds: float = bounded(600.0, ge=0)
     preflight: bool = True  # check the device and the collectives before training
 
 
 @dataclass
 class Config:
-    seed: int = 0
+    seed: int = bounded(0, ge=0, le=SEED_MAX)
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -260,22 +329,42 @@ def _matches(key: str, prefixes: List[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+# Keys that say where a run's files go, not what it trains: never part of a run's name, not
+# even in a sweep (a path would nest inside the name, and may carry credentials).
+LOCATION_KEYS = ["hydra", "run", "checkpoint.dir", "checkpoint.staging_dir", "data.cache_dir",
+                 "audit.ledger", "logger.tracking_uri"]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # a name stays one portable, shell-safe word
+
+
+def _name_part(text: str, limit: int = 32) -> str:
+    """`text` as part of a run name: verbatim when short and plain, else its last path
+    (or URL path) component made plain, `~`, and a hash of the whole (without credentials). `~` is never
+    verbatim, so a shortened part never equals a plain one; the hash keeps them distinct."""
+    clean = strip_credentials(text)
+    if 0 < len(clean) <= limit and not _UNSAFE.search(clean):
+        return clean
+    path = re.split(r"[?#]", clean, maxsplit=1)[0].rstrip("/")  # a URL's query goes too
+    tail = _UNSAFE.sub("_", path.rsplit("/", 1)[-1])[:24]
+    return f"{tail}~{hashlib.sha1(clean.encode()).hexdigest()[:8]}"
+
+
 def default_run_name(experiment: Optional[str], overrides: List[str], excludes: List[str],
                      keep_excluded: bool = False) -> str:
     """The experiment name plus the overrides that change what is trained.
 
     `keep_excluded` is set for multirun jobs: a sweep over an otherwise ignored key must
-    still give every job its own directory, so nothing but Hydra's own keys is dropped.
+    still give every job its own directory, so only `LOCATION_KEYS` are dropped.
     """
     kept = []
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key == "experiment" or _matches(key, ["hydra", "run"]):
+        key, has_value, value = override.lstrip("+~").partition("=")
+        if key == "experiment" or _matches(key, LOCATION_KEYS):
             continue
         if not keep_excluded and _matches(key, excludes):
             continue
-        kept.append(override.lstrip("+~").replace("/", "_"))
-    name = experiment or "default"
+        kept.append(_name_part(key, 64) + (f"={_name_part(value)}" if has_value else ""))
+    name = _name_part(experiment or "default", 64)
     if kept:
         name += "-" + ",".join(sorted(kept))
     if len(name) > 120:  # keep directory names legal; the hash keeps them distinct

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import suppress
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -30,11 +32,18 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))  # torchrun's; a single process is rank 0
 
 
+# This process's launch: when it started, and its pid (unique on this host at that time).
+LAUNCH_ID = f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}"
+LATEST_RECORD = "latest"
+
+
 def register_resolvers() -> None:
-    """`${goodput.on_rank_zero:VALUE}` (VALUE on rank 0, else null) and
-    `${goodput.rank_suffix:}` ('' on rank 0, else `_rank<R>`); safe to call more than once."""
+    """`${goodput.on_rank_zero:VALUE}` (VALUE on rank 0, else null),
+    `${goodput.rank_suffix:}` ('' on rank 0, else `_rank<R>`) and `${goodput.launch_id:}`
+    (`LAUNCH_ID`); safe to call more than once."""
     resolvers = {"goodput.on_rank_zero": lambda value: None if _rank() else value,
-                 "goodput.rank_suffix": lambda: f"_rank{_rank()}" if _rank() else ""}
+                 "goodput.rank_suffix": lambda: f"_rank{_rank()}" if _rank() else "",
+                 "goodput.launch_id": lambda: LAUNCH_ID}
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
@@ -51,6 +60,27 @@ def refuse_multirun_under_torchrun() -> None:
               f"as submitit), or start one torchrun per job with that job's overrides",
               file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)
+
+
+def mark_latest_record() -> None:
+    """Link `<run dir>/.hydra/latest` to this launch's Hydra record. Call it holding the run
+    lock: a launch that is refused must leave the link at the run that is training."""
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # composed outside @hydra.main (tests, notebooks): no record
+        return
+    subdir = hydra_cfg.output_subdir
+    if subdir is None or Path(subdir).parent == Path("."):  # not rank 0, or a flat layout
+        return
+    record = Path(hydra_cfg.runtime.output_dir) / subdir
+    if not record.is_dir():
+        return
+    link = record.parent / LATEST_RECORD
+    temporary = record.parent / f".{LATEST_RECORD}-{os.getpid()}"
+    with suppress(FileNotFoundError):
+        temporary.unlink()
+    temporary.symlink_to(record.name)
+    temporary.replace(link)  # atomic: a reader sees the old record or the new one
 
 
 def use_node_local_dirs(cfg: DictConfig, node_rank: Optional[int]) -> None:

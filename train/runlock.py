@@ -41,6 +41,7 @@ import torch.distributed as dist
 from data.cache import pid_alive
 from train.distributed import World, broadcast_object
 from train.errors import ConfigError
+from train.launch import mark_latest_record
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ def hold_run_lock(run_dir: Path, run_name: str, world: World) -> Iterator[None]:
         if world.rank != 0:
             fcntl.lockf(fd, fcntl.LOCK_SH)  # rank 0 holds it shared already: no wait
         held = True
+        if world.rank == 0:
+            mark_latest_record()
         yield
     finally:
         if held and world.rank == 0:

@@ -172,17 +172,21 @@ class RNGState:
 
 @dataclass
 class RunInfo:
-    """The MLflow run to keep logging into, and the config that produced the checkpoint."""
+    """The MLflow run to keep logging into, the config that produced the checkpoint, and the
+    name of the run it belongs to (never resume another run's checkpoint)."""
 
     mlflow_run_id: Optional[str]
     config: Dict[str, str]
+    run_name: Optional[str] = None
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"mlflow_run_id": self.mlflow_run_id or "", "config": dict(self.config)}
+        return {"mlflow_run_id": self.mlflow_run_id or "", "config": dict(self.config),
+                "run_name": self.run_name or ""}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.mlflow_run_id = state["mlflow_run_id"] or None
         self.config = {str(k): str(v) for k, v in state["config"].items()}
+        self.run_name = str(state["run_name"]) or None
 
 
 def changed_keys(saved: Dict[str, str], current: Dict[str, str]) -> List[str]:
