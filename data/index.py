@@ -1,8 +1,8 @@
 """The dataset index: the sorted (file, label) list of an ImageFolder split, built once.
 
 Listing a large bucket is slow and costs money, so the listing happens once and the result is
-stored under the cache directory (`index/<hash of the split URL>.npz`) and reused by later runs
-and by every rank and worker. In memory it is a few numpy arrays (all names in one byte
+stored under the cache directory (`index/<hash of the split URL>-v<format>.npz`) and reused
+by later runs and by every rank and worker. In memory it is a few numpy arrays (all names in one byte
 buffer plus offsets), not Python lists of strings: forked DataLoader workers share those pages
 instead of copying them as reference counts change. `digest` (a hash of names, labels and
 sizes) identifies the dataset.
@@ -15,16 +15,21 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from collections import Counter
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from data.decode import IMAGE_SUFFIXES
 from data.errors import DatasetError
+from data.redact import strip_credentials
 from data.volume import Volume
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg")
+# Bump when the listing rules change, so an index listed under older rules is not reused.
+INDEX_FORMAT = 2
+MAX_REASONS_SHOWN = 6
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class DatasetIndex:
     offsets: np.ndarray  # int64, len + 1: name i is names[offsets[i]:offsets[i + 1]]
     labels: np.ndarray  # int32
     sizes: np.ndarray  # int64 bytes; -1 where the store does not say (HTTP listings)
+    left_out: str = ""  # what the listing found that is not a sample, and why (counts only)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -58,7 +64,7 @@ class DatasetIndex:
             with open(tmp, "wb") as f:
                 np.savez(f, url=np.array(self.url), classes=np.array(self.classes, dtype=str),
                          names=self.names, offsets=self.offsets, labels=self.labels,
-                         sizes=self.sizes)
+                         sizes=self.sizes, left_out=np.array(self.left_out))
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
@@ -67,13 +73,45 @@ class DatasetIndex:
     def load(cls, path: Path) -> "DatasetIndex":
         with np.load(path, allow_pickle=False) as z:
             return cls(str(z["url"]), [str(c) for c in z["classes"]], z["names"],
-                       z["offsets"], z["labels"], z["sizes"])
+                       z["offsets"], z["labels"], z["sizes"], str(z["left_out"]))
+
+
+def left_out_reason(entry: Dict[str, Any]) -> Optional[str]:
+    """Why a class folder's entry (from `Volume.list_dir`) is not a sample; None if it is.
+    Image files are chosen by name here, as ImageFolder does; their format is told by content
+    when they are decoded."""
+    if entry["type"] == "broken":
+        return "broken links"
+    if entry["type"] == "directory":
+        return "subfolders"
+    if entry["type"] != "file":
+        return "not regular files"
+    name = entry["name"]
+    suffix = os.path.splitext(name)[1].lower() or (name if name.startswith(".") else "no suffix")
+    return None if suffix in IMAGE_SUFFIXES else suffix
+
+
+def describe_left_out(reasons: Counter) -> str:
+    """'3 entries that are not images (.txt: 2, .DS_Store: 1)', most common reason first."""
+    shown = reasons.most_common(MAX_REASONS_SHOWN)
+    more = len(reasons) - len(shown)
+    parts = [f"{reason}: {count}" for reason, count in shown] + ([f"{more} more"] if more else [])
+    return f"{sum(reasons.values())} entries that are not images ({', '.join(parts)})"
 
 
 def list_split(volume: Volume, split: str) -> DatasetIndex:
-    """List `<root>/<split>/<class>/*.jpg`: one listing of the split, one per class folder."""
-    classes = [e["name"] for e in volume.list_dir(split)
-               if e["type"] == "directory" and not e["name"].startswith(".")]
+    """List `<root>/<split>/<class>/<image>`: one listing of the split, one per class folder.
+    Symlinks are followed; what is not an image is counted in `left_out`, by reason."""
+    classes: List[str] = []
+    left_out: Counter = Counter()
+    for entry in volume.list_dir(split):
+        if entry["type"] == "directory":
+            if not entry["name"].startswith("."):
+                classes.append(entry["name"])
+        elif entry["type"] == "broken":  # a class folder that vanished behind a dead link
+            left_out["broken links"] += 1
+        else:
+            left_out["files outside class folders"] += 1
     if not classes:
         raise DatasetError(f"{volume.path(split)} has no class folders: expected "
                            f"{volume.path(split)}/<class>/*.jpg")
@@ -81,38 +119,52 @@ def list_split(volume: Volume, split: str) -> DatasetIndex:
     labels: List[int] = []
     sizes: List[int] = []
     for label, cls in enumerate(classes):
-        files = [e for e in volume.list_dir(f"{split}/{cls}")
-                 if e["type"] == "file" and e["name"].lower().endswith(IMAGE_SUFFIXES)]
+        files = []
+        skipped: Counter = Counter()
+        for entry in volume.list_dir(f"{split}/{cls}"):
+            reason = left_out_reason(entry)
+            if reason is None:
+                files.append(entry)
+            else:
+                skipped[reason] += 1
         if not files:
-            raise DatasetError(f"class folder {volume.path(f'{split}/{cls}')} holds no .jpg "
-                               f"files: add images or remove the folder")
+            found = f"left out {describe_left_out(skipped)}" if skipped else "it is empty"
+            raise DatasetError(f"class folder {volume.path(f'{split}/{cls}')} holds no images "
+                               f"({found}; images are {' '.join(IMAGE_SUFFIXES)}): add "
+                               f"images or remove the folder")
+        left_out.update(skipped)
         names += [f"{split}/{cls}/{e['name']}".encode() for e in files]
         labels += [label] * len(files)
         sizes += [-1 if e["size"] is None else int(e["size"]) for e in files]
     offsets = np.zeros(len(names) + 1, dtype=np.int64)
     np.cumsum([len(n) for n in names], out=offsets[1:])
-    return DatasetIndex(volume.path(split), classes,
+    # Stored under the cache directory: a URL's credentials stay out of it.
+    return DatasetIndex(strip_credentials(volume.path(split)), classes,
                         np.frombuffer(b"".join(names), dtype=np.uint8).copy(), offsets,
-                        np.asarray(labels, dtype=np.int32), np.asarray(sizes, dtype=np.int64))
+                        np.asarray(labels, dtype=np.int32), np.asarray(sizes, dtype=np.int64),
+                        describe_left_out(left_out) if left_out else "")
 
 
 def load_or_build(volume: Volume, split: str, store_dir: Optional[Path],
                   rebuild: bool = False) -> DatasetIndex:
     """The split's index: from `store_dir` when stored there before, else listed and stored."""
-    url = volume.path(split)
+    url = strip_credentials(volume.path(split))
     path = None
     if store_dir is not None:
-        path = Path(store_dir) / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}.npz"
+        name = f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-v{INDEX_FORMAT}.npz"
+        path = Path(store_dir) / name
         if path.is_file() and not rebuild:
             try:
                 index = DatasetIndex.load(path)
                 if index.url == url:
+                    warn_left_out(index)
                     return index
             except (OSError, ValueError, KeyError) as err:
                 log.warning("stored index %s is unreadable (%s): listing again", path, err)
     index = list_split(volume, split)
     log.info("indexed %s: %d files in %d classes (index %s)", url, len(index),
              len(index.classes), index.digest)
+    warn_left_out(index)
     if path is not None:
         try:
             index.save(path)
@@ -120,3 +172,11 @@ def load_or_build(volume: Volume, split: str, store_dir: Optional[Path],
             log.warning("cannot store the index at %s (%s): the next run lists %s again; "
                         "free space under data.cache_dir", path, err.strerror, url)
     return index
+
+
+def warn_left_out(index: DatasetIndex) -> None:
+    """One warning line per split, on every run (the stored index keeps the counts): a tree
+    whose files are half `.gif` must not train on the other half in silence."""
+    if index.left_out:
+        log.warning("%s: left out %s; ImageFolder's image suffixes are %s", index.url,
+                    index.left_out, " ".join(IMAGE_SUFFIXES))

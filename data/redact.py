@@ -9,6 +9,7 @@ fsspec's configuration, which never appear in a URL.
 
 from __future__ import annotations
 
+import logging
 import re
 
 # Greedy up to the last "@" before the path: an unescaped "@" inside a password still goes.
@@ -22,3 +23,25 @@ REDACTED = "***"
 def strip_credentials(text: str) -> str:
     """`text` with every URL's user info removed and secret query values replaced."""
     return _SECRET_PARAM.sub(rf"\g<1>{REDACTED}", _USERINFO.sub(r"\1", text))
+
+
+class CredentialFilter(logging.Filter):
+    """Strips credentials from every record it sees, traceback included.
+
+    Install it on handlers, not loggers: a logger's filters never see the records that
+    propagate to it from child loggers.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        stripped = strip_credentials(message)
+        if stripped != message:
+            record.msg, record.args = stripped, None
+        if record.exc_info and not record.exc_text:
+            # Formatters reuse exc_text when it is set, so the traceback is stripped once here.
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = strip_credentials(record.exc_text)
+        if record.stack_info:
+            record.stack_info = strip_credentials(record.stack_info)
+        return True

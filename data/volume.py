@@ -10,15 +10,21 @@ file, and the dataset decides whether to skip it or fail (`data.on_bad_file`).
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
+import urllib.parse
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Dict, List, Tuple, TypeVar
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 import data.slowfs  # noqa: F401  registers slow:// (a simulated remote volume)
 from data.errors import DatasetError
+from data.redact import strip_credentials
 
 T = TypeVar("T")
 
@@ -37,6 +43,21 @@ def _transient_errors() -> Tuple[type, ...]:
 
 
 TRANSIENT_ERRORS = _transient_errors()
+
+
+def fsspec_target(url: str) -> Tuple[str, Dict[str, Any]]:
+    """(URL, fsspec options) for opening `url`, with an http(s) URL's user info moved into
+    basic auth: fsspec's HTTP filesystem keeps the whole URL as the path, and paths end up in
+    log lines, the stored index and cache keys. (Other filesystems take it out themselves.)"""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or "@" not in parts.netloc:
+        return url, {}
+    import aiohttp  # fsspec's HTTP filesystem needs it anyway
+
+    auth = aiohttp.BasicAuth(urllib.parse.unquote(parts.username or ""),
+                             urllib.parse.unquote(parts.password or ""))
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return bare, {"client_kwargs": {"auth": auth}}
 
 
 class MissingPathError(DatasetError):
@@ -59,14 +80,16 @@ class Volume:
     _pid: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._root = fsspec.core.url_to_fs(self.url)[1].rstrip("/")
+        url, options = fsspec_target(self.url)
+        self._root = fsspec.core.url_to_fs(url, **options)[1].rstrip("/")
 
     @property
     def fs(self) -> Any:
         """This process's filesystem. Forked DataLoader workers must not share the parent's:
         an async one (HTTP, S3) holds an event loop and sessions that belong to it."""
         if self._pid != os.getpid():
-            self._fs = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)[0]
+            url, options = fsspec_target(self.url)
+            self._fs = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)[0]
             self._pid = os.getpid()
         return self._fs
 
@@ -92,8 +115,9 @@ class Volume:
                 if attempt == self.retries:
                     raise DatasetError(
                         f"{what} failed {self.retries + 1} times (last error: "
-                        f"{type(err).__name__}: {err}): check that data.root {self.url} is "
-                        f"reachable, or raise data.read_retries") from err
+                        f"{type(err).__name__}: {err}): check that data.root "
+                        f"{strip_credentials(self.url)} is reachable, or raise "
+                        f"data.read_retries") from err
                 time.sleep(self.backoff_seconds * 2 ** attempt)
         raise AssertionError("unreachable")
 
@@ -106,14 +130,21 @@ class Volume:
             raise BadFileError(f"cannot read {path}: {type(err).__name__}: {err}") from err
 
     def list_dir(self, relative: str) -> List[Dict[str, Any]]:
-        """Entries of a directory as `{"name": basename, "type", "size"}`, sorted by name."""
+        """Entries of a directory as `{"name": basename, "type", "size"}`, sorted by name;
+        type is "directory", "file", "other", or "broken" (a symlink that leads nowhere)."""
         path = self.path(relative)
+        # fsspec's local listing types a symlink "other", whatever it points to, and a mounted
+        # volume is a local path too: links are followed here instead, as ImageFolder does.
+        if isinstance(self.fs, LocalFileSystem):
+            listing = partial(_scandir_following_links, path)
+        else:
+            listing = partial(self.fs.ls, path, detail=True)
         try:
-            entries = self.with_retries(f"listing {path}",
-                                        lambda: self.fs.ls(path, detail=True))
-        except FileNotFoundError:
-            raise MissingPathError(f"{path} does not exist: set data.root to a folder holding "
-                               f"train/<class>/*.jpg and val/<class>/*.jpg") from None
+            entries = self.with_retries(f"listing {path}", listing)
+        except (FileNotFoundError, NotADirectoryError):
+            raise MissingPathError(f"{path} does not exist or is not a directory: set data.root "
+                                   f"to a folder holding train/<class>/*.jpg and "
+                                   f"val/<class>/*.jpg") from None
         except PERMANENT_ERRORS as err:
             raise DatasetError(f"cannot list {path} ({type(err).__name__}): fix its "
                                f"permissions or point data.root elsewhere") from None
@@ -124,3 +155,28 @@ class Volume:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             out.append({"name": name, "type": entry["type"], "size": entry.get("size")})
         return sorted(out, key=lambda e: e["name"])
+
+
+# A symlink whose target is missing, unreachable or a loop: that link is broken for good.
+_BROKEN_LINK_ERRNOS = frozenset([errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM,
+                                 errno.ELOOP])
+
+
+def _scandir_following_links(path: str) -> List[Dict[str, Any]]:
+    """A local directory's entries as fsspec's `ls(detail=True)` gives them, but with each
+    symlink typed by its target; a link that leads nowhere (dangling, a loop, no permission)
+    has type "broken". Nothing is descended into, so a link loop costs one failed stat."""
+    out = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=True)
+            except OSError as err:
+                if err.errno not in _BROKEN_LINK_ERRNOS:
+                    raise  # e.g. EIO on a network mount: the whole listing is retried
+                out.append({"name": f"{path}/{entry.name}", "type": "broken", "size": None})
+                continue
+            kind = ("directory" if stat.S_ISDIR(st.st_mode)
+                    else "file" if stat.S_ISREG(st.st_mode) else "other")
+            out.append({"name": f"{path}/{entry.name}", "type": kind, "size": st.st_size})
+    return out

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from checkpointing.manager import CheckpointError
 from data.errors import DatasetError
+from data.redact import strip_credentials
 from data.loader import eval_batches
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
@@ -24,8 +25,8 @@ from train.checkpoint import (CheckpointSchedule, Checkpointing, build_manager, 
 from train.config import Device, Precision, StrategyName
 from train.distributed import (World, broadcast_object, init_world, launched_by_torchrun,
                                shutdown_world)
-from train.errors import (EXIT_CONFIG, EXIT_PREFLIGHT, ConfigError, PreflightError,
-                          TrainingError)
+from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
+                          PreflightError, TrainingError)
 from train.faults import Faults, omitted_state_keys
 from train.goodput import Goodput
 from train.health import Guard, HealthMonitor, HealthState, Watchdog
@@ -34,11 +35,12 @@ from train.loop import LoopPlan, fit
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
 from train.parallel import full_state_dict, parallelize
+from train.preemption import Preempted, PreemptionFlag, catch_preemption
 from train.preflight import preflight
 from train.runlock import hold_run_lock
 from train.state import (DataIdentity, DataState, ModelState, OptimizerState, Progress,
                          RNGState, RunInfo, SchedulerState, TrainerState)
-from train.tracking import build_tracker, describe
+from train.tracking import describe, start_tracker
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +50,17 @@ def run(cfg: DictConfig) -> Dict[str, float]:
     try:
         return train(cfg)
     except (ConfigError, DatasetError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
     except PreflightError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
         raise SystemExit(EXIT_PREFLIGHT) from None
     except TrainingError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
         raise SystemExit(1) from None
+    except Preempted as stopped:
+        log.warning("%s", stopped)
+        raise SystemExit(EXIT_PREEMPTED) from None
 
 
 def train(cfg: DictConfig) -> Dict[str, float]:
@@ -63,21 +68,24 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     start = PROCESS_START
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device)
-    world = init_world(device, cfg.strategy.timeout_seconds, cfg.strategy.init_timeout_seconds)
-    try:
-        with hold_run_lock(Path(cfg.run.root) / cfg.run.name, cfg.run.name, world):
-            use_node_local_dirs(cfg, world.node_rank if launched_by_torchrun() else None)
-            return train_in_world(cfg, world, device, start)
-    finally:
-        shutdown_world()
+    with catch_preemption() as preemption:  # from here on a signal stops at a checkpoint
+        world = init_world(device, cfg.strategy.timeout_seconds,
+                           cfg.strategy.init_timeout_seconds)
+        try:
+            with hold_run_lock(Path(cfg.run.root) / cfg.run.name, cfg.run.name, world):
+                use_node_local_dirs(cfg, world.node_rank if launched_by_torchrun() else None)
+                return train_in_world(cfg, world, device, start, preemption)
+        finally:
+            shutdown_world()
 
 
 def train_in_world(cfg: DictConfig, world: World, device: torch.device,
-                   start: float) -> Dict[str, float]:
+                   start: float, preemption: PreemptionFlag) -> Dict[str, float]:
     run_dir = Path(cfg.run.root) / cfg.run.name
     log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
              world.world_size)
     faults = Faults.from_env(world.rank, run_dir)  # tests and demos only (GOODPUT_FAULT)
+    tracker = start_tracker(cfg.logger, world)  # a dead store fails now, not after set-up
     if cfg.health.preflight:
         preflight(world, device, cfg.strategy.timeout_seconds, faults)
 
@@ -132,13 +140,12 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     checkpoints = (Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step),
                                  world.world_size, cfg.seed) if manager else None)
     guard = Guard(health, faults,
-                  Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0))
+                  Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0), preemption)
 
     if progress.step >= loop_plan.total_steps:
         log.info("run %s is already complete at step %d: nothing to train (raise "
                  "trainer.max_epochs or trainer.max_steps to go on)", cfg.run.name,
                  progress.step)
-    tracker = build_tracker(cfg.logger, rank=world.rank)
     with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:
         info.mlflow_run_id = broadcast_object(run_id, world)  # every rank saves the same
         goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)

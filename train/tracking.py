@@ -3,25 +3,39 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections import deque
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional
+from itertools import islice
+from typing import Any, Deque, Dict, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from data.redact import strip_credentials
 from train.config import LoggerConfig, LoggerName
+from train.distributed import World, broadcast_object
+from train.errors import ConfigError
 
 log = logging.getLogger(__name__)
 MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params
+MAX_METRICS_PER_CALL = 1000  # and for metrics
+MAX_PENDING_METRICS = 100_000  # held while the store is down: ~20 MB
+RETRY_SECONDS = 30  # between attempts to reach a failed store (each may block a step)
+# The start check: a store that does not answer in a few seconds is a configuration problem.
+CHECK_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
+RUN_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
 
 
 def flatten(tree: Any, prefix: str = "") -> Dict[str, str]:
-    """{'optim': {'lr': 0.1}} -> {'optim.lr': '0.1'}: the resolved config as MLflow params."""
+    """{'optim': {'lr': 0.1}} -> {'optim.lr': '0.1'}: the resolved config as MLflow params
+    and as a checkpoint's record of its config, so URL credentials are stripped here."""
     if isinstance(tree, dict):
         out: Dict[str, str] = {}
         for key, value in tree.items():
             out.update(flatten(value, f"{prefix}{key}."))
         return out
-    return {prefix[:-1]: str(tree)}
+    return {prefix[:-1]: strip_credentials(str(tree))}
 
 
 class NullTracker:
@@ -32,11 +46,17 @@ class NullTracker:
             resume_run_id: Optional[str] = None) -> Iterator[Optional[str]]:
         yield resume_run_id
 
+    def check(self) -> Optional[str]:
+        return None
+
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         pass
 
 
 class MLflowTracker:
+    """Rank 0's MLflow run. A store that fails mid-run never stops training: metrics wait
+    in memory (up to MAX_PENDING_METRICS values) and are sent when the store answers again."""
+
     def __init__(self, cfg: LoggerConfig) -> None:
         import mlflow  # slow to import: only when MLflow is used
 
@@ -44,6 +64,37 @@ class MLflowTracker:
         if cfg.tracking_uri:
             mlflow.set_tracking_uri(cfg.tracking_uri)
         self.experiment_name = cfg.experiment_name
+        self.uri = strip_credentials(mlflow.get_tracking_uri())
+        self.client = mlflow.tracking.MlflowClient()
+        self.run_id: Optional[str] = None
+        self.pending: Deque[Any] = deque()  # mlflow.entities.Metric, oldest first
+        self.dropped = 0
+        self.retry_at: Optional[float] = None  # set while the store is failing
+        # MLflow retries a failed HTTP request for ~4 minutes by default, blocking the step;
+        # with metrics buffered here a short attempt is enough. The user's settings win.
+        for name, value in RUN_HTTP_SETTINGS.items():
+            os.environ.setdefault(name, value)
+
+    def check(self) -> Optional[str]:
+        """None when the store answers and takes a write (a tag on the experiment), else one
+        line saying why not; bounded by CHECK_HTTP_SETTINGS, whatever the environment says."""
+        saved = {name: os.environ.get(name) for name in CHECK_HTTP_SETTINGS}
+        os.environ.update(CHECK_HTTP_SETTINGS)
+        try:
+            experiment = self.mlflow.set_experiment(self.experiment_name)
+            self.client.set_experiment_tag(experiment.experiment_id, "goodput.last_start",
+                                           time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+            return None
+        except Exception as err:  # any failure to reach or write the store means the same
+            return (f"the MLflow tracking store {self.uri} cannot be used ({one_line(err)}): "
+                    f"start it or make it writable, fix logger.tracking_uri, or train "
+                    f"without tracking (logger=none)")
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     @contextmanager
     def run(self, run_name: str, config: DictConfig,
@@ -52,29 +103,49 @@ class MLflowTracker:
 
         MLflow params are immutable, so a resumed run records the config it resumed with
         as tags (`resume.<key>` for each value that differs from the logged params).
+        The run ends FAILED if the body raises.
         """
+        try:
+            self.run_id = self._start(strip_credentials(run_name), config, resume_run_id)
+        except Exception as err:  # the store failed after the start check: train anyway
+            log.warning("MLflow store %s failed when starting the run (%s): training goes on "
+                        "and this process logs no metrics", self.uri, one_line(err))
+            yield resume_run_id
+            return
+        status = "FAILED"
+        try:
+            yield self.run_id
+            status = "FINISHED"
+        finally:
+            self.flush(final=True)
+            try:
+                self.mlflow.end_run(status)
+            except Exception as err:
+                log.warning("MLflow store %s failed when ending run %s (%s): it stays "
+                            "RUNNING there", self.uri, self.run_id, one_line(err))
+
+    def _start(self, run_name: str, config: DictConfig, resume_run_id: Optional[str]) -> str:
         mlflow = self.mlflow
         mlflow.set_experiment(self.experiment_name)
         params = flatten(OmegaConf.to_container(config, resolve=True))
         if resume_run_id and not self._exists(resume_run_id):
             log.warning("MLflow run %s is not in %s: starting a new one", resume_run_id,
-                        mlflow.get_tracking_uri())
+                        self.uri)
             resume_run_id = None
-        # The run ends FAILED (or KILLED) by itself if the body raises.
-        with mlflow.start_run(run_id=resume_run_id,
-                              run_name=None if resume_run_id else run_name) as active:
-            log.info("MLflow run %s (%s) at %s", run_name, active.info.run_id,
-                     mlflow.get_tracking_uri())
-            if resume_run_id:
-                logged = active.data.params
-                changed = {f"resume.{k}": v for k, v in params.items() if logged.get(k) != v}
-                mlflow.set_tags({"resumed": "true", **changed})
-            else:
-                items = sorted(params.items())
-                for i in range(0, len(items), MAX_PARAMS_PER_CALL):
-                    mlflow.log_params(dict(items[i:i + MAX_PARAMS_PER_CALL]))
-                mlflow.log_text(OmegaConf.to_yaml(config, resolve=True), "config.yaml")
-            yield active.info.run_id
+        active = mlflow.start_run(run_id=resume_run_id,
+                                  run_name=None if resume_run_id else run_name)
+        log.info("MLflow run %s (%s) at %s", run_name, active.info.run_id, self.uri)
+        if resume_run_id:
+            logged = active.data.params
+            changed = {f"resume.{k}": v for k, v in params.items() if logged.get(k) != v}
+            mlflow.set_tags({"resumed": "true", **changed})
+        else:
+            items = sorted(params.items())
+            for i in range(0, len(items), MAX_PARAMS_PER_CALL):
+                mlflow.log_params(dict(items[i:i + MAX_PARAMS_PER_CALL]))
+            mlflow.log_text(strip_credentials(OmegaConf.to_yaml(config, resolve=True)),
+                            "config.yaml")
+        return active.info.run_id
 
     def _exists(self, run_id: str) -> bool:
         try:
@@ -84,13 +155,69 @@ class MLflowTracker:
             return False
 
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(metrics, step=step)
+        if self.run_id is None:  # the run never started: nothing to log into
+            return
+        now = int(time.time() * 1000)
+        self.pending.extend(self.mlflow.entities.Metric(key, float(value), now, step)
+                            for key, value in metrics.items())
+        overflow = len(self.pending) - MAX_PENDING_METRICS
+        for _ in range(max(overflow, 0)):
+            self.pending.popleft()
+        self.dropped += max(overflow, 0)
+        if self.retry_at is None or time.monotonic() >= self.retry_at:
+            self.flush()
+
+    def flush(self, final: bool = False) -> None:
+        """Send what is pending; on failure keep it and try again after RETRY_SECONDS."""
+        if self.run_id is None:
+            return
+        sent = 0
+        try:
+            while self.pending:
+                batch = list(islice(self.pending, MAX_METRICS_PER_CALL))
+                self.client.log_batch(self.run_id, metrics=batch)
+                for _ in batch:
+                    self.pending.popleft()
+                sent += len(batch)
+        except Exception as err:  # an outage of the store never stops training
+            if final:
+                log.warning("MLflow store %s still fails at the end of the run (%s): %d "
+                            "metric values were not logged", self.uri, one_line(err),
+                            len(self.pending) + self.dropped)
+            elif self.retry_at is None:
+                log.warning("MLflow store %s failed (%s): training goes on; metrics are kept "
+                            "in memory (up to %d values, the oldest dropped beyond that) and "
+                            "sent when it answers again (tried every %ds)", self.uri,
+                            one_line(err), MAX_PENDING_METRICS, RETRY_SECONDS)
+            self.retry_at = time.monotonic() + RETRY_SECONDS
+            return
+        if self.retry_at is not None:
+            log.info("MLflow store %s answers again: sent %d buffered metric values (%d "
+                     "dropped)", self.uri, sent, self.dropped)
+            self.retry_at, self.dropped = None, 0
 
 
 def build_tracker(cfg: LoggerConfig, rank: int) -> NullTracker | MLflowTracker:
     if rank != 0 or cfg.name == LoggerName.none:
         return NullTracker()
     return MLflowTracker(cfg)
+
+
+def start_tracker(cfg: LoggerConfig, world: World) -> NullTracker | MLflowTracker:
+    """This rank's tracker, its store checked by rank 0. Every rank gets the verdict, so a
+    store that cannot be used ends all of them with one line instead of leaving the others
+    waiting for rank 0 in a later collective."""
+    tracker = build_tracker(cfg, world.rank)
+    problem = broadcast_object(tracker.check(), world)
+    if problem:
+        raise ConfigError(problem)
+    return tracker
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an error (MLflow's and SQLAlchemy's run to dozens), credentials out."""
+    text = str(err).strip().splitlines()
+    return strip_credentials(f"{type(err).__name__}: {text[0] if text else ''}")[:300]
 
 
 def describe(metrics: Dict[str, float], keys: Optional[list[str]] = None) -> str:
