@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
+import re
+from typing import List, Optional, get_type_hints
+
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
@@ -10,6 +16,8 @@ from omegaconf import OmegaConf
 from conftest import CONF, compose_config, run_train, tiny_overrides
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
+from train.config import Bounds, Config, validate
+from train.errors import ConfigError
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
 
@@ -79,9 +87,87 @@ def test_a_wrong_key_or_value_is_rejected_at_compose(override, message):
         compose_config(["+experiment=resnet", override])
 
 
-def test_a_misspelt_key_fails_on_the_command_line_without_a_traceback(tmp_path):
-    result = run_train(["+experiment=resnet", "optim.lrr=0.1"], cwd=tmp_path)
-    assert result.returncode != 0
-    assert "Key 'lrr' not in 'OptimConfig'" in result.stderr
+@pytest.mark.parametrize("override, message", [
+    ("optim.lrr=0.1", "Key 'lrr' not in 'OptimConfig'"),
+    ("optim.lr=abc", "Value 'abc' of type 'str' could not be converted to Float"),
+    ("+experiment=resnett", "Could not find 'experiment/resnett'"),
+])
+def test_a_mistake_hydra_finds_exits_2_without_a_traceback(tmp_path, override, message):
+    """Exit code 2, not 1: torchrun --max-restarts would run a typo again and again."""
+    result = run_train([override], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "outputs").exists()  # failed before any work
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"]])
+def test_help_and_printing_the_config_still_exit_0(tmp_path, args):
+    result = run_train(["+experiment=resnet", *args], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def schema_fields(schema=Config, prefix=""):
+    """(key, dataclass field, its type) of every leaf of the schema."""
+    types = get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(types[spec.name]):
+            yield from schema_fields(types[spec.name], f"{prefix}{spec.name}.")
+        else:
+            yield f"{prefix}{spec.name}", spec, types[spec.name]
+
+
+def test_every_numeric_key_has_bounds():
+    numeric = {int, float, Optional[int], Optional[float], List[int], List[float]}
+    keys = [key for key, spec, kind in schema_fields() if kind in numeric]
+    assert len(keys) > 40
+    assert [key for key, spec, kind in schema_fields()
+            if kind in numeric and "bounds" not in spec.metadata] == []
+
+
+def just_outside(bounds: Bounds, integer: bool) -> list:
+    step = 1 if integer else 1e-6
+    return ([bounds.ge - step] if bounds.ge is not None else []) + (
+        [bounds.gt] if bounds.gt is not None else []) + (
+        [bounds.le + step] if bounds.le is not None else []) + (
+        [bounds.lt] if bounds.lt is not None else [])
+
+
+def test_every_numeric_key_refuses_values_outside_its_bounds_and_non_finite_floats():
+    cfg = compose_config(["+experiment=resnet"])
+    validate(cfg)  # the defaults are in range
+    cases = 0
+    for key, spec, kind in schema_fields():
+        if "bounds" not in spec.metadata:
+            continue
+        bounds = spec.metadata["bounds"]
+        integer = int in (kind, *getattr(kind, "__args__", ()))
+        bad = just_outside(bounds, integer) + ([] if integer else [math.nan, math.inf, -math.inf])
+        limits = [limit for limit in (bounds.ge, bounds.le) if limit is not None]
+        for value, allowed in [*((v, False) for v in bad), *((v, True) for v in limits)]:
+            changed = copy.deepcopy(cfg)
+            OmegaConf.update(changed, key, [value] if kind == List[float] else value)
+            shown = OmegaConf.select(changed, key)
+            if allowed:
+                validate(changed)
+            else:
+                with pytest.raises(ConfigError, match=re.escape(
+                        f"{key}={shown} is out of range: it must be ")):
+                    validate(changed)
+            cases += 1
+    assert cases > 80
+
+
+@pytest.mark.parametrize("override", list(group_options()))
+def test_every_config_option_is_in_range(override):
+    validate(compose_config([override]))
+
+
+def test_an_out_of_range_value_is_one_line_and_exit_2_before_any_work(tmp_path):
+    result = run_train(["+experiment=resnet", "checkpoint.interval_steps=0",
+                        "logger=none", "trainer.device=cpu"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint.interval_steps=0 is out of range: it must be >= 1")
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not list(tmp_path.rglob("datasets"))  # no data generated or read

@@ -17,18 +17,19 @@ from conftest import compose_config, free_port, torchrun
 from faultlib import (FINAL, finish, launch, ledger_records, run_job, train_args,
                       wait_for, worker_pids)
 from test_resume import assert_same_contents, checkpoint_contents
+from train.launch import LAUNCH_ID
 
 PYTHON = [sys.executable]
 
 
-@pytest.mark.parametrize("rank, subdir, job", [("0", ".hydra", "train"),
-                                               ("1", None, "train_rank1")])
-def test_only_rank_0_writes_hydra_files_and_each_rank_names_its_log(monkeypatch, rank, subdir,
+@pytest.mark.parametrize("rank, record, job", [("0", True, "train"),
+                                               ("1", False, "train_rank1")])
+def test_only_rank_0_writes_hydra_files_and_each_rank_names_its_log(monkeypatch, rank, record,
                                                                      job):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     hydra = compose_config(["+experiment=resnet"], return_hydra_config=True).hydra
-    assert hydra.output_subdir == subdir
+    assert hydra.output_subdir == (f".hydra/{LAUNCH_ID}" if record else None)
     assert hydra.job.name == job
 
 
@@ -48,8 +49,9 @@ def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_p
         out = finish(agent)
         assert agent.returncode == 0, out[-4000:]
     [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir() and p != staging]
-    assert sorted(os.listdir(run_dir / ".hydra")) == ["config.yaml", "hydra.yaml",
-                                                        "overrides.yaml"]
+    [record] = [p for p in (run_dir / ".hydra").iterdir() if p.name != "latest"]
+    assert (run_dir / ".hydra" / "latest").resolve() == record
+    assert sorted(os.listdir(record)) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
     assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
     for rank, log in enumerate(["train.log", "train_rank1.log"]):
         assert f"run {run_dir.name} in {run_dir} on cpu (rank {rank} of 2)" in (
@@ -72,24 +74,46 @@ def test_a_sweep_under_torchrun_is_refused(tiny_root, tmp_path):
     assert "one torchrun per job" in out and "(rank 0 of 2)" not in out
 
 
+def files_under(root):
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
 def test_a_second_trainer_is_refused_and_a_dead_ones_lock_taken_over(tiny_root, tmp_path):
+    """The refused launch leaves every file of the live run as it was (its log only grows),
+    keeps its own Hydra record, and `.hydra/latest` stays at the live run's record."""
     args = train_args(tiny_root, tmp_path)
-    ledger = tmp_path / "ledger.jsonl"
+    ledger, run_dir = tmp_path / "ledger.jsonl", tmp_path / "r"
+    latest = run_dir / ".hydra" / "latest"
     first = launch(PYTHON, args)
     try:
         wait_for(lambda: ledger_records(ledger), "the first step", proc=first)
         # Frozen, it holds the lock without finishing its few steps (or taking a core).
         os.killpg(first.pid, signal.SIGSTOP)
         steps = len(ledger_records(ledger))
-        out = run_job(PYTHON, args, expect=2)
+        first_record = latest.resolve()
+        assert first_record.name.endswith(f"-{first.pid}")
+        before = files_under(run_dir)
+        out = run_job(PYTHON, args + ["optim.lr=0.5"], expect=2)
         assert "error: run r is in use by another trainer" in out
         assert f"pid {first.pid} on" in out and len(ledger_records(ledger)) == steps
+        after = files_under(run_dir)
+        for path, content in before.items():
+            if path.name == "train.log":  # Hydra's log handler appends
+                assert after[path].startswith(content)
+            else:
+                assert after[path] == content, path
+        assert latest.resolve() == first_record
+        [refused] = {p.parent for p in after.keys() - before.keys()}
+        assert refused.parent == run_dir / ".hydra"
+        assert "optim.lr=0.5" in (refused / "overrides.yaml").read_text()
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         finish(first)
     out = run_job(PYTHON, args)
     assert f"taking over from pid {first.pid} on" in out
-    assert (tmp_path / "r" / "run.lock").read_text() == ""  # released on the way out
+    assert (run_dir / "run.lock").read_text() == ""  # released on the way out
+    assert latest.resolve() not in (first_record, refused)
+    assert len(os.listdir(run_dir / ".hydra")) == 4  # three launches' records and latest
 
 
 def test_killing_only_the_agent_leaves_orphans_that_keep_the_run_locked(tiny_root, tmp_path,

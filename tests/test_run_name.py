@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from conftest import compose_config
+from conftest import compose_config, run_train, tiny_overrides
 from train.checkpoint import build_manager, resume, training_config
 from train.config import DEFAULT_RUN_NAME_EXCLUDES, default_run_name
 from train.distributed import World
@@ -136,3 +136,16 @@ def test_a_checkpoint_saved_before_names_were_recorded_resumes_by_its_identity_k
     resume_as(tmp_path / "other", "old", save_with=RunInfoBeforeNames)
     with pytest.raises(ConfigError, match="model.name changed since the checkpoint"):
         resume_as(tmp_path / "other", "old", "model=tiny_cnn")
+
+
+def test_a_sweep_sharing_one_checkpoint_dir_stops_at_the_second_job(tiny_root, tmp_path):
+    result = run_train(["-m", *tiny_overrides(tiny_root), "model=tiny_cnn", "logger=none",
+                        "trainer.device=cpu", "trainer.max_steps=2", f"run.root={tmp_path}",
+                        f"checkpoint.dir={tmp_path / 'ck'}", "optim.lr=0.1,0.05"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds checkpoints of another run" in errors[0]
+    assert "already complete" not in result.stdout + result.stderr
+    jobs = [p.name for p in tmp_path.iterdir() if p.name.startswith("default-")]
+    assert len(jobs) == 2  # a run directory each, named without the paths typed
+    assert not any("checkpoint" in job or tmp_path.name in job for job in jobs)
