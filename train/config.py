@@ -2,7 +2,8 @@
 
 Hydra validates overrides against these dataclasses, so a misspelt key (`optim.lrr=0.1`) or
 a bad value (`trainer.device=gpu`) fails at start with Hydra's own one-line message, before
-any work is done.
+any work is done. Numeric keys carry their allowed range (`bounded`), which `validate` checks
+right after composing.
 """
 
 from __future__ import annotations
