@@ -1,14 +1,16 @@
-"""JPEG datasets over a volume and a node cache, with per-sample deterministic augmentation.
+"""Image-folder datasets over a volume and a node cache, with per-sample deterministic
+augmentation.
 
 A sample is addressed by `(epoch, index)`; its bytes come from the node cache (or straight
 from the volume when there is none), and its random crop and flip from a `torch.Generator`
 seeded by (seed, epoch, index), never from the global RNG, so the same sample gets the same
 pixels in any worker, on any rank, after any restart, and the trainer's own RNG is left alone.
 
-A file that is not a readable JPEG (corrupt, truncated, not a JPEG, gone, unreadable) is a
-*bad file*: with `on_bad_file="skip"` its sample is left out of its batch with a warning and
-counted, deterministically (it is bad in every epoch, on every rank), so exact-once holds over
-the readable samples and a resume stays exact; with `"fail"` it ends the run with one line.
+A file that is not a usable image (corrupt, truncated, not an image, larger than
+`max_pixels`, gone, unreadable; see `data.decode`) is a *bad file*: with `on_bad_file="skip"`
+its sample is left out of its batch with a warning and counted, deterministically (it is bad
+in every epoch, on every rank), so exact-once holds over the readable samples and a resume
+stays exact; with `"fail"` it ends the run with one line.
 
 Batches leave the loader as uint8 (4x fewer bytes to copy to the device); `normalize` turns
 them into float on the device.
@@ -21,10 +23,10 @@ import math
 from typing import NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 from data.cache import Lookup, NodeCache, cache_key
+from data.decode import DEFAULT_MAX_PIXELS, BadImageError, decode
 from data.errors import DatasetError, OnBadFile
 from data.index import DatasetIndex
 from data.sampler import Key, derive_seed
@@ -41,19 +43,6 @@ class Sample(NamedTuple):
     label: int
     index: int
     lookup: Lookup
-
-
-def jpeg_problem(data: Union[bytes, bytearray]) -> Optional[str]:
-    """Why `data` cannot be a whole JPEG, or None. Decoders often accept a truncated file
-    (filling the rest with grey), so the end-of-image marker is checked explicitly."""
-    if data[:2] != b"\xff\xd8":
-        return "not a JPEG (no start-of-image marker)"
-    end = len(data)
-    while end > 2 and data[end - 1] == 0:  # some writers pad after the marker
-        end -= 1
-    if data[end - 2:end] != b"\xff\xd9":
-        return "truncated JPEG (no end-of-image marker)"
-    return None
 
 
 def random_resized_crop_box(height: int, width: int, generator: torch.Generator,
@@ -89,8 +78,10 @@ class JpegFolderDataset(torch.utils.data.Dataset):
 
     def __init__(self, index: DatasetIndex, volume: Volume, cache: Optional[NodeCache],
                  image_size: int, train: bool, seed: int, crop_scale_min: float = 0.35,
-                 on_bad_file: OnBadFile = OnBadFile.skip) -> None:
+                 on_bad_file: OnBadFile = OnBadFile.skip,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         self.index, self.volume, self.cache = index, volume, cache
+        self.max_pixels = max_pixels
         self.image_size, self.train = image_size, train
         self.seed, self.crop_scale = seed, (crop_scale_min, 1.0)
         self.on_bad_file = OnBadFile(on_bad_file)
@@ -123,17 +114,10 @@ class JpegFolderDataset(torch.utils.data.Dataset):
             data, lookup = self.read_bytes(i)
         except BadFileError as err:
             return self.bad_file(i, label, str(err), Lookup(False, 0))
-        problem = jpeg_problem(data)
-        if problem is None:
-            try:
-                # frombuffer wants a writable buffer; a cache hit already is a fresh one.
-                buffer = data if isinstance(data, bytearray) else bytearray(data)
-                image = decode_jpeg(torch.frombuffer(buffer, dtype=torch.uint8),
-                                    mode=ImageReadMode.RGB)
-            except RuntimeError:  # the decoder's verdict on a corrupt file
-                problem = "corrupt JPEG (the decoder rejected it)"
-        if problem is not None:
-            return self.bad_file(i, label, problem, lookup)
+        try:
+            image = decode(data, self.max_pixels)
+        except BadImageError as err:
+            return self.bad_file(i, label, str(err), lookup)
         image = self.augment(image, epoch, i) if self.train else self.center(image)
         return Sample(image, label, i, lookup)
 

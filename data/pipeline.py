@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 from data import synthetic
 from data.cache import NodeCache
 from data.dataset import JpegFolderDataset
+from data.decode import DEFAULT_MAX_PIXELS
 from data.errors import DatasetError, OnBadFile
-from data.index import load_or_build
+from data.index import DatasetIndex, load_or_build
 from data.loader import VolumeLoader
 from data.progress import task_progress
 from data.sampler import Key
@@ -26,6 +27,7 @@ from data.volume import MissingPathError, Volume
 log = logging.getLogger(__name__)
 
 GB = 10 ** 9
+MAX_CLASSES_NAMED = 5  # in a train/val class mismatch; the rest are counted
 
 
 def prepare_root(cfg: DictConfig) -> Volume:
@@ -74,21 +76,40 @@ def build_datasets(cfg: DictConfig, seed: int
     """(train, val) datasets over `data.root`, sharing one node cache."""
     volume = prepare_root(cfg)
     cache = open_cache(cfg)
-    common = dict(on_bad_file=cfg.on_bad_file, reindex=cfg.reindex)
-    return (open_dataset(volume, "train", cache, cfg.image_size, train=True, seed=seed,
-                         crop_scale_min=cfg.crop_scale_min, **common),
-            open_dataset(volume, "val", cache, cfg.image_size, train=False, seed=seed,
-                         **common))
+    common = dict(on_bad_file=cfg.on_bad_file, reindex=cfg.reindex,
+                  max_pixels=cfg.max_image_pixels)
+    train = open_dataset(volume, "train", cache, cfg.image_size, train=True, seed=seed,
+                         crop_scale_min=cfg.crop_scale_min, **common)
+    val = open_dataset(volume, "val", cache, cfg.image_size, train=False, seed=seed, **common)
+    check_same_classes(train.index, val.index)
+    return train, val
+
+
+def check_same_classes(train: DatasetIndex, val: DatasetIndex) -> None:
+    """A label is a class's position in its split's sorted class list, so the lists must be
+    equal, or val label k names another class than the model's output k."""
+    if train.classes == val.classes:
+        return
+    problems = []
+    for what, names in (("classes with no val folder", set(train.classes) - set(val.classes)),
+                        ("val classes not in train", set(val.classes) - set(train.classes))):
+        if names:
+            shown = sorted(names)[:MAX_CLASSES_NAMED]
+            more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+            problems.append(f"{len(names)} {what} ({', '.join(shown)}{more})")
+    raise DatasetError(f"train and val have different classes: {'; '.join(problems)}: give "
+                       f"{val.url} the same class folders as {train.url}")
 
 
 def open_dataset(volume: Volume, split: str, cache: Optional[NodeCache], image_size: int,
                  train: bool, seed: int, crop_scale_min: float = 0.35,
                  on_bad_file: OnBadFile = OnBadFile.skip,
-                 reindex: bool = False) -> JpegFolderDataset:
+                 reindex: bool = False,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> JpegFolderDataset:
     """One split; its index is stored in (and reused from) the cache directory."""
     store = cache.root / "index" if cache is not None else None
     return JpegFolderDataset(load_or_build(volume, split, store, reindex), volume, cache,
-                             image_size, train, seed, crop_scale_min, on_bad_file)
+                             image_size, train, seed, crop_scale_min, on_bad_file, max_pixels)
 
 
 def build_loader(dataset: JpegFolderDataset, batches: Iterable[List[Key]], cfg: DictConfig,

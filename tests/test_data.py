@@ -92,7 +92,7 @@ def test_index_errors_name_the_path(tmp_path):
     with pytest.raises(DatasetError, match="no class folders"):
         list_split(volume, "empty")
     (tmp_path / "empty" / "cat").mkdir()
-    with pytest.raises(DatasetError, match="cat holds no .jpg"):
+    with pytest.raises(DatasetError, match="cat holds no images"):
         list_split(volume, "empty")
 
 
