@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 from collections import deque
 from typing import Deque, Iterable, Iterator, List, NamedTuple, Optional
@@ -133,7 +134,17 @@ class VolumeLoader(DataLoader):
         # not come from the global RNG, or resuming (which restores it) would shift it.
         super().__init__(dataset, batch_sampler=batches, num_workers=workers,
                          collate_fn=collate_samples, pin_memory=pin_memory,
+                         worker_init_fn=ignore_stop_signals,
                          generator=torch.Generator().manual_seed(0), **extra)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """torchrun sends SIGTERM to a rank's whole process group, and Ctrl-C's SIGINT reaches the
+    terminal's: a worker that died of it would fail the loader in the middle of the step the
+    main process is finishing before it saves. The main process alone decides when to stop,
+    and its workers end with it."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def eval_batches(dataset_size: int, batch_size: int, rank: int = 0,

@@ -26,7 +26,10 @@ def monitor(tmp_path, **cfg) -> HealthMonitor:
 
 
 def check(m: HealthMonitor, step: int, loss: float, norm: float = 1.0):
-    return m.check_step(step, torch.tensor(loss, dtype=torch.float64), torch.tensor(norm))
+    problem, stop = m.check_step(step, torch.tensor(loss, dtype=torch.float64),
+                                 torch.tensor(norm))
+    assert stop is False  # nobody asked to stop
+    return problem
 
 
 def test_spikes_are_judged_against_the_running_median(tmp_path):

@@ -3,6 +3,9 @@ exit code a launcher or scheduler can act on."""
 
 EXIT_CONFIG = 2  # the user must change something: restarting cannot help
 EXIT_PREFLIGHT = 3  # this node failed its pre-flight check: replace the node
+# Stopped on SIGTERM/SIGINT after committing a checkpoint: run the same command again.
+# sysexits.h's EX_TEMPFAIL ("temporary failure; the user is invited to retry").
+EXIT_PREEMPTED = 75
 
 
 class ConfigError(ValueError):

@@ -22,7 +22,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Deque, Dict, Optional, Set
+from typing import Any, Deque, Dict, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from train.config import HealthConfig
 from train.errors import TrainingError
 from train.faults import Faults
+from train.preemption import PreemptionFlag
 
 log = logging.getLogger(__name__)
 
@@ -68,34 +69,37 @@ class HealthMonitor:
         if self.skips_file.exists():
             self.state.skipped |= set(json.loads(self.skips_file.read_text())["skipped"])
 
-    def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Optional[str]:
-        """Why step `step` is bad on some rank, or None; the same answer on every rank.
+    def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+                   stop_requested: bool = False) -> Tuple[Optional[str], bool]:
+        """Why step `step` is bad on some rank (or None), and whether any rank was asked to
+        stop (preemption); the same answers on every rank, from one all-reduce.
 
         Spikes are judged on the mean loss over ranks, which every rank then holds bit for
         bit: the window is saved in checkpoints, so it must not differ between ranks.
         """
+        world = dist.get_world_size() if dist.is_initialized() else 1
         if not self.cfg.enabled:
-            return None
+            return None, agree_on_flag(stop_requested, loss.device, world)
         loss_value, norm_value = float(loss), float(grad_norm)
         summed = torch.tensor([loss_value if math.isfinite(loss_value) else 0.0,
-                               not math.isfinite(loss_value), not math.isfinite(norm_value)],
+                               not math.isfinite(loss_value), not math.isfinite(norm_value),
+                               stop_requested],
                               dtype=torch.float64, device=loss.device)  # NCCL: on the GPU
-        world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             dist.all_reduce(summed)
-        total, bad_loss, bad_norm = summed.tolist()
-        mean_loss, bad_loss, bad_norm = total / world, bad_loss > 0, bad_norm > 0
+        total, bad_loss, bad_norm, stops = summed.tolist()
+        mean_loss, bad_loss, bad_norm, stop = total / world, bad_loss > 0, bad_norm > 0, stops > 0
         spike = (not bad_loss and len(self.state.losses) >= self.cfg.min_history
                  and mean_loss > self.cfg.spike_factor * statistics.median(self.state.losses))
         if not (bad_loss or bad_norm or spike):
             self.state.losses.append(mean_loss)
-            return None
+            return None, stop
         what = [name for name, bad in [("non-finite loss", bad_loss),
                                        ("non-finite gradient norm", bad_norm),
                                        (f"loss spike to {mean_loss:.4g} (over "
                                         f"{self.cfg.spike_factor:g} x the running median)",
                                         spike)] if bad]
-        return f"{' and '.join(what)} at step {step}"
+        return f"{' and '.join(what)} at step {step}", stop
 
     def check_replicas(self, step: int, model: torch.nn.Module) -> Optional[str]:
         """Every `replica_check_steps`, DDP ranks compare a checksum of their parameters:
@@ -133,6 +137,15 @@ class HealthMonitor:
         return step in self.state.skipped
 
 
+def agree_on_flag(flag: bool, device: torch.device, world: int) -> bool:
+    """True on every rank when `flag` is set on any rank."""
+    if world == 1:
+        return flag
+    vote = torch.tensor([flag], dtype=torch.int32, device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return bool(vote.item())
+
+
 def parameter_checksum(model: torch.nn.Module) -> torch.Tensor:
     """A bit-exact checksum of the parameters: their bytes as integers, summed (wrapping).
     Any changed bit changes it, unlike a float sum."""
@@ -156,6 +169,7 @@ class Guard:
     health: "HealthMonitor"
     faults: Faults
     watchdog: "Watchdog"
+    preemption: PreemptionFlag
 
 
 class Watchdog:

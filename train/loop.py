@@ -6,7 +6,7 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from train.errors import TrainingError
 from train.goodput import Goodput
 from train.health import Guard
 from train.parallel import gradient_sync, runs_in_lockstep
+from train.preemption import Preempted, PreemptionFlag
 from train.progress import StepProgress
 from train.state import Progress
 from train.tracking import NullTracker, describe
@@ -107,7 +108,8 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             loss, grad_norm = train_step(model, optimizer, micro_batches, plan)
             loss = guard.faults.poison_loss(step, loss)
             guard.faults.after_step(step, model)
-            bad_batch = guard.health.check_step(step, loss, grad_norm)
+            bad_batch, stop = guard.health.check_step(step, loss, grad_norm,
+                                                      guard.preemption.requested())
             drift = None if bad_batch else guard.health.check_replicas(step, model)
             if bad_batch or drift:  # only a bad batch is skipped: drift is not the data's fault
                 began = time.perf_counter()
@@ -124,10 +126,12 @@ def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             position.advance(plan.steps_per_epoch)
 
             stall = 0.0
-            if checkpoints and checkpoints.due(step, final=step == plan.total_steps):
+            if checkpoints and checkpoints.due(step, final=step == plan.total_steps or stop):
                 stall = checkpoints.save(step)
                 window.checkpoint_stall_seconds += stall
             goodput.step_done(step, data_wait, stall)
+            if stop:
+                stop_for_preemption(step, guard.preemption, checkpoints, goodput)
 
             if step % plan.log_every_steps == 0 or step == plan.total_steps:
                 steps_in_window = len(window.losses)
@@ -159,6 +163,17 @@ def record_step(ledger: Optional[LedgerWriter], plan: LoopPlan, step: int,
         samples = torch.cat([b.indices for b in micro_batches]).tolist()
         ledger.record(step, (step - 1) // plan.steps_per_epoch, samples,
                       None if loss is None else loss.item())
+
+
+def stop_for_preemption(step: int, preemption: PreemptionFlag,
+                        checkpoints: Optional[Checkpointing], goodput: Goodput) -> NoReturn:
+    """Every rank, once all agreed to stop after `step` (whose checkpoint has been started):
+    wait until that checkpoint is committed, then raise `Preempted`."""
+    if checkpoints:
+        checkpoints.close()  # raises CheckpointError if the save failed
+    goodput.save()
+    raise Preempted(preemption.signal_name or "a signal to another rank", step,
+                    saved=checkpoints is not None)
 
 
 def roll_back(problem: str, step: int, guard: Guard, checkpoints: Optional[Checkpointing],

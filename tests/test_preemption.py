@@ -1,0 +1,133 @@
+"""Preemption: SIGTERM (a scheduler, a spot machine) and SIGINT (Ctrl-C) stop the run at a
+committed checkpoint with exit code 75, and the same command then redoes no step.
+
+Real signals to real processes: a single `python -m train`, its whole process group as a
+terminal's Ctrl-C reaches it (data-loader workers included), and a torchrun job, signalled
+through its agent (as a scheduler does) or at one rank only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from checkpointing import commit
+from checkpointing.storage import Store
+from conftest import REPO, torchrun, train_env
+from faultlib import (assert_exactly_once, finish, launch, ledger_records, run_job,
+                      train_args, wait_for, worker_pids)
+from test_fault_tolerance import assert_matches_reference
+
+EXIT_PREEMPTED = 75
+# A long interval: without the preemption save, a stopped run would have no checkpoint.
+NO_PERIODIC_SAVES = "checkpoint.interval_steps=1000"
+
+
+def recorded_steps(ledger: Path) -> Counter:
+    """How often each (step, rank) was recorded: 2 means the step was done again."""
+    return Counter((r["step"], r["rank"]) for r in ledger_records(ledger))
+
+
+def committed(run_root: Path) -> list:
+    return commit.committed_steps(Store(str(run_root / "r" / "checkpoints")))
+
+
+def assert_stopped_at_a_commit(out: str, run_root: Path) -> int:
+    """The run said, in one line, where it stopped; that checkpoint is complete and is the
+    last step the loop did. Returns that step."""
+    # No traceback from our code (torchrun's agent prints its own for the signal it got).
+    assert "KeyboardInterrupt" not in out, out[-3000:]
+    assert not any(f'File "{REPO / package}' in out for package in ("train", "data",
+                                                                     "checkpointing")), out
+    lines = [line for line in out.splitlines() if "preempted by SIG" in line]
+    assert len(lines) >= 1, out[-3000:]
+    step = int(lines[0].split(" at step ")[1].split(":")[0])
+    assert step in committed(run_root), (step, committed(run_root))
+    commit.verify(Store(str(run_root / "r" / "checkpoints")), commit.step_dir_name(step), step)
+    last_done = max(r["step"] for r in ledger_records(run_root / "ledger.jsonl"))
+    assert last_done == step, (last_done, step)
+    return step
+
+
+@pytest.mark.parametrize("signum, workers, whole_group", [
+    (signal.SIGTERM, 0, False),  # a scheduler signals the process
+    (signal.SIGINT, 2, True),  # Ctrl-C reaches the terminal's process group, workers too
+])
+def test_signal_saves_then_the_rerun_redoes_nothing(tiny_root, tmp_path, signum, workers,
+                                                    whole_group):
+    ledger = tmp_path / "ledger.jsonl"
+    args = train_args(tiny_root, tmp_path, NO_PERIODIC_SAVES, f"data.num_workers={workers}",
+                      strategy="single")
+    proc = launch([sys.executable], args)
+    wait_for(lambda: len(ledger_records(ledger)) >= 2, "two steps", proc=proc)
+    (os.killpg if whole_group else os.kill)(proc.pid, signum)
+    out = finish(proc)
+    assert proc.returncode == EXIT_PREEMPTED, f"exit {proc.returncode}:\n{out[-3000:]}"
+    stopped = assert_stopped_at_a_commit(out, tmp_path)
+
+    run_job([sys.executable], args)  # the same command resumes and finishes
+    assert_exactly_once(ledger)
+    redone = [key for key, n in recorded_steps(ledger).items() if n > 1]
+    assert redone == [], f"stopped at {stopped}, then redid {redone}"
+
+
+def test_torchrun_agent_signalled_all_ranks_stop_at_one_step(tiny_root, tmp_path,
+                                                             ddp_reference):
+    """A scheduler signals torchrun; its agent passes SIGTERM to every rank, which may be at
+    different points of a step: they agree on one step, save it, and the rerun ends with
+    the bits of a run that was never stopped."""
+    ledger = tmp_path / "ledger.jsonl"
+    args = train_args(tiny_root, tmp_path, NO_PERIODIC_SAVES)
+    proc = launch(torchrun(2), args)
+    wait_for(lambda: len(ledger_records(ledger)) >= 4, "two steps on two ranks", proc=proc)
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode != 0, out[-3000:]
+    assert f"exitcode: {EXIT_PREEMPTED}" in out or "preempted by SIGTERM" in out, out[-3000:]
+    stopped = assert_stopped_at_a_commit(out, tmp_path)
+    assert {r["rank"] for r in ledger_records(ledger) if r["step"] == stopped} == {0, 1}
+
+    run_job(torchrun(2), args)
+    assert_matches_reference(tmp_path, ddp_reference)
+    assert [k for k, n in recorded_steps(ledger).items() if n > 1] == []
+
+
+def test_a_signal_to_one_rank_stops_the_group_at_a_checkpoint(tiny_root, tmp_path):
+    """Only rank 1 is signalled: rank 0 learns it from the step's all-reduce, both save the
+    same step, and torchrun's restart resumes from it with nothing redone."""
+    ledger = tmp_path / "ledger.jsonl"
+    proc = launch(torchrun(2, max_restarts=1), train_args(tiny_root, tmp_path,
+                                                          NO_PERIODIC_SAVES))
+    wait_for(lambda: len(ledger_records(ledger)) >= 4, "two steps on two ranks", proc=proc)
+    pids = worker_pids(tmp_path)
+    os.kill(pids[1], signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 0, out[-8000:]
+    assert "preempted by a signal to another rank" in out, out[-8000:]
+    assert_exactly_once(ledger)
+    assert [k for k, n in recorded_steps(ledger).items() if n > 1] == []
+
+
+def test_a_second_signal_exits_at_once():
+    """The first signal only asks; the second ends the process by that signal."""
+    code = ("import os, signal, time\n"
+            "from train.preemption import catch_preemption\n"
+            "with catch_preemption() as flag:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(0.5)\n"
+            "    assert flag.requested()\n"
+            "    print('asked', flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(30)\n"
+            "    print('still running')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["asked"], proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGINT, proc.returncode
+    assert "second SIGINT: exiting now" in proc.stderr
