@@ -8,8 +8,10 @@ import os
 import signal
 import sys
 from contextlib import suppress
+from pathlib import Path
 
 import pytest
+from hydra.core.hydra_config import HydraConfig
 
 from checkpointing import commit
 from checkpointing.storage import Store
@@ -17,7 +19,7 @@ from conftest import compose_config, free_port, torchrun
 from faultlib import (FINAL, finish, launch, ledger_records, run_job, train_args,
                       wait_for, worker_pids)
 from test_resume import assert_same_contents, checkpoint_contents
-from train.launch import LAUNCH_ID
+from train.launch import LAUNCH_ID, mark_latest_record
 
 PYTHON = [sys.executable]
 
@@ -147,3 +149,23 @@ def test_killing_only_the_agent_leaves_orphans_that_keep_the_run_locked(tiny_roo
     assert f"taking over from pid {workers[0]} on" in out and "resumed from" in out
     assert_same_contents(checkpoint_contents(tmp_path / "r" / "checkpoints" / FINAL),
                          ddp_reference["contents"])
+
+
+def test_the_latest_link_moves_to_this_launchs_record_or_warns(tmp_path, monkeypatch, caplog):
+    cfg = compose_config(["+experiment=resnet"], return_hydra_config=True)
+    cfg.hydra.runtime.output_dir = str(tmp_path)
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: cfg.hydra))
+    hydra_dir = tmp_path / ".hydra"
+    (hydra_dir / LAUNCH_ID).mkdir(parents=True)
+    (hydra_dir / "older").mkdir()
+    (hydra_dir / "latest").symlink_to("older")
+    mark_latest_record()
+    assert (hydra_dir / "latest").resolve() == hydra_dir / LAUNCH_ID
+    assert sorted(os.listdir(hydra_dir)) == sorted([LAUNCH_ID, "latest", "older"])
+
+    def no_symlinks(*args):
+        raise PermissionError("symlinks not supported")
+    monkeypatch.setattr(Path, "symlink_to", no_symlinks)
+    (hydra_dir / "latest").unlink()
+    mark_latest_record()  # the run goes on without the link
+    assert "could not link" in caplog.text and "symlinks not supported" in caplog.text

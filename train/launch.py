@@ -14,6 +14,7 @@ and config mistakes stay fast.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from contextlib import suppress
@@ -26,6 +27,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from train.errors import EXIT_CONFIG
+
+log = logging.getLogger(__name__)
 
 
 def _rank() -> int:
@@ -77,10 +80,14 @@ def mark_latest_record() -> None:
         return
     link = record.parent / LATEST_RECORD
     temporary = record.parent / f".{LATEST_RECORD}-{os.getpid()}"
-    with suppress(FileNotFoundError):
-        temporary.unlink()
-    temporary.symlink_to(record.name)
-    temporary.replace(link)  # atomic: a reader sees the old record or the new one
+    try:
+        with suppress(FileNotFoundError):
+            temporary.unlink()
+        temporary.symlink_to(record.name)
+        temporary.replace(link)  # atomic: a reader sees the old record or the new one
+    except OSError as err:  # e.g. a volume without symlinks: the records themselves remain
+        log.warning("could not link %s to this launch's Hydra record %s: %s", link,
+                    record.name, err)
 
 
 def use_node_local_dirs(cfg: DictConfig, node_rank: Optional[int]) -> None:
