@@ -65,7 +65,7 @@ class MLflowTracker:
             mlflow.set_tracking_uri(cfg.tracking_uri)
         self.experiment_name = cfg.experiment_name
         self.uri = strip_credentials(mlflow.get_tracking_uri())
-        self.client = mlflow.tracking.MlflowClient()
+        self.client: Any = None  # made once the store is known to open (check or run)
         self.run_id: Optional[str] = None
         self.pending: Deque[Any] = deque()  # mlflow.entities.Metric, oldest first
         self.dropped = 0
@@ -82,7 +82,7 @@ class MLflowTracker:
         os.environ.update(CHECK_HTTP_SETTINGS)
         try:
             experiment = self.mlflow.set_experiment(self.experiment_name)
-            self.client.set_experiment_tag(experiment.experiment_id, "goodput.last_start",
+            self.mlflow.tracking.MlflowClient().set_experiment_tag(experiment.experiment_id, "goodput.last_start",
                                            time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             return None
         except Exception as err:  # any failure to reach or write the store means the same
@@ -127,6 +127,7 @@ class MLflowTracker:
     def _start(self, run_name: str, config: DictConfig, resume_run_id: Optional[str]) -> str:
         mlflow = self.mlflow
         mlflow.set_experiment(self.experiment_name)
+        self.client = mlflow.tracking.MlflowClient()
         params = flatten(OmegaConf.to_container(config, resolve=True))
         if resume_run_id and not self._exists(resume_run_id):
             log.warning("MLflow run %s is not in %s: starting a new one", resume_run_id,
@@ -216,8 +217,9 @@ def start_tracker(cfg: LoggerConfig, world: World) -> NullTracker | MLflowTracke
 
 def one_line(err: BaseException) -> str:
     """The first line of an error (MLflow's and SQLAlchemy's run to dozens), credentials out."""
-    text = str(err).strip().splitlines()
-    return strip_credentials(f"{type(err).__name__}: {text[0] if text else ''}")[:300]
+    lines = str(err).strip().splitlines()
+    text = strip_credentials(f"{type(err).__name__}: {lines[0] if lines else ''}")
+    return text if len(text) <= 240 else text[:240] + "..."
 
 
 def describe(metrics: Dict[str, float], keys: Optional[list[str]] = None) -> str:

@@ -1,0 +1,145 @@
+"""MLflow that cannot be used: at start one line and exit 2 on every rank; during a run a
+warning, and training goes on with the metrics kept until the store answers again."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import free_port, run_train, tiny_overrides
+from train import tracking
+from train.config import LoggerConfig
+from train.distributed import World
+from train.errors import ConfigError
+from train.tracking import MLflowTracker, NullTracker, start_tracker
+
+
+@pytest.fixture(autouse=True)
+def mlflow_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tracker sets MLflow's HTTP settings in the environment: undo that after each test."""
+    for name in {**tracking.CHECK_HTTP_SETTINGS, **tracking.RUN_HTTP_SETTINGS}:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+@pytest.fixture(scope="module")
+def store_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One sqlite store for the module: creating one takes seconds."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/m.db"
+
+
+def dead_http_uri() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+def test_a_tracking_server_nothing_listens_on_is_one_line_and_exit_2_in_seconds(
+        tiny_root, tmp_path):
+    began = time.monotonic()
+    result = run_train(["+experiment=resnet", *tiny_overrides(tiny_root), "model=tiny_cnn",
+                        "trainer.device=cpu", f"logger.tracking_uri={dead_http_uri()}",
+                        f"run.root={tmp_path}"], cwd=tmp_path, timeout=240)
+    took = time.monotonic() - began
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the MLflow tracking store"), lines
+    assert "logger=none" in lines[0]
+    assert took < 120, took  # MLflow's own retries took 257 s (this is mostly start-up)
+    assert not list(tmp_path.rglob("checkpoints"))  # nothing was set up before the check
+
+
+@pytest.mark.parametrize("uri", [
+    "dead-server",
+    "sqlite:////proc/goodput/mlflow.db",  # a folder no one (root included) can write in
+    "sqlite:///{tmp}/a_file/mlflow.db",  # a path under a regular file
+])
+def test_the_start_check_names_a_store_that_cannot_be_used(uri: str, tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("not a folder")
+    uri = dead_http_uri() if uri == "dead-server" else uri.format(tmp=tmp_path)
+    began = time.monotonic()
+    problem = MLflowTracker(LoggerConfig(tracking_uri=uri)).check()
+    assert time.monotonic() - began < 30
+    assert problem is not None and problem.startswith("the MLflow tracking store")
+    assert "\n" not in problem and len(problem) < 600, problem
+
+
+def test_every_rank_gets_rank_0s_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 has no tracker to check; it must still stop, not wait for rank 0 later."""
+    verdict = "the MLflow tracking store http://h cannot be used (...)"
+    monkeypatch.setattr(tracking, "broadcast_object", lambda obj, world: verdict)
+    world = World(rank=1, world_size=2, local_rank=1, checkpoint_group=None)
+    with pytest.raises(ConfigError, match="cannot be used"):
+        start_tracker(LoggerConfig(tracking_uri="http://h"), world)
+    monkeypatch.setattr(tracking, "broadcast_object", lambda obj, world: obj)
+    assert isinstance(start_tracker(LoggerConfig(), world), NullTracker)
+
+
+def test_a_store_failing_mid_run_warns_once_and_catches_up(
+        store_uri: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    uri = store_uri
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=uri))
+    assert tracker.check() is None  # the start check passes a usable store
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise OSError("database or disk is full")
+
+    caplog.set_level(logging.INFO, logger="train.tracking")
+    with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
+        tracker.log_metrics({"train/loss": 1.0}, step=1)
+        real_log_batch = tracker.client.log_batch
+        monkeypatch.setattr(tracker.client, "log_batch", failing)
+        for step in range(2, 6):  # the "training" goes on through the outage
+            tracker.log_metrics({"train/loss": float(step)}, step=step)
+        assert len(calls) == 1  # no new attempt before RETRY_SECONDS: steps are not blocked
+        monkeypatch.setattr(tracker.client, "log_batch", real_log_batch)
+        monkeypatch.setattr(tracker, "retry_at", time.monotonic())  # RETRY_SECONDS later
+        tracker.log_metrics({"train/loss": 6.0}, step=6)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "training goes on" in warnings[0], warnings
+    assert "kept in memory" in warnings[0] and "database or disk is full" in warnings[0]
+    assert any("answers again: sent 5 buffered" in r.getMessage() for r in caplog.records)
+
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=uri)
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 7)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_store_down_at_the_end_drops_what_is_pending_and_the_run_still_ends(
+        store_uri: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri))
+
+    def failing(*args, **kwargs):
+        raise OSError("connection refused")
+
+    with tracker.run("r", OmegaConf.create({"a": 1})):
+        monkeypatch.setattr(tracker.client, "log_batch", failing)
+        monkeypatch.setattr(tracker.mlflow, "end_run", failing)
+        tracker.log_metrics({"train/loss": 1.0, "train/lr": 0.1}, step=1)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("2 metric values were not logged" in w for w in warnings), warnings
+    assert any("failed when ending run" in w for w in warnings), warnings
+
+
+def test_a_store_failing_at_the_run_start_does_not_stop_training(
+        store_uri: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri))
+
+    def failing(*args, **kwargs):
+        raise OSError("disk I/O error")
+
+    monkeypatch.setattr(tracker.mlflow, "start_run", failing)
+    with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
+        tracker.log_metrics({"train/loss": 1.0}, step=1)
+    assert run_id is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "training goes on" in warnings[0], warnings
