@@ -339,9 +339,10 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # a name stays one portable, shell-s
 
 
 def _name_part(text: str, limit: int = 32) -> str:
-    """`text` as part of a run name: verbatim when short and plain, else its last path
-    (or URL path) component made plain, `~`, and a hash of the whole (without credentials). `~` is never
-    verbatim, so a shortened part never equals a plain one; the hash keeps them distinct."""
+    """`text` as part of a run name: verbatim when short and plain, else its last path (or
+    URL path) component made plain, `~`, and a hash of the whole (without credentials).
+    `~` is never verbatim, so a shortened part never equals a plain one; the hash keeps
+    shortened ones distinct."""
     clean = strip_credentials(text)
     if 0 < len(clean) <= limit and not _UNSAFE.search(clean):
         return clean
