@@ -172,7 +172,8 @@ class RunConfig:
 class ModelConfig:
     # Any torchvision classification model: torchvision.models.list_models(torchvision.models)
     name: str = "resnet18"
-    dropout: float = bounded(0.0, ge=0, lt=1)  # on the classifier's input (it draws from the global RNG)
+    # On the classifier's input (it draws from the global RNG)
+    dropout: float = bounded(0.0, ge=0, lt=1)
 
 
 @dataclass
@@ -181,7 +182,8 @@ class SyntheticConfig:
 
     num_train: int = bounded(10000, ge=1)
     num_val: int = bounded(2000, ge=1)
-    size: int = bounded(96, ge=8)  # image width in pixels; height is 3/4 of it (like ImageNet's 500x375)
+    # Image width in pixels; height is 3/4 of it (like ImageNet's 500x375)
+    size: int = bounded(96, ge=8)
     seed: int = bounded(0, ge=0, le=SEED_MAX)
     dir: str = "datasets/shapes-seed${.seed}-train${.num_train}-val${.num_val}-size${.size}"
 
@@ -192,16 +194,20 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # The node cache on local disk, shared by all ranks and workers of a node; null = none.
     cache_dir: Optional[str] = "${run.root}/${run.name}/data_cache"
-    cache_limit_gb: float = bounded(50.0, gt=0)  # hard budget, 10^9 bytes; least recently used files go
+    # Hard budget, 10^9 bytes; least recently used files go
+    cache_limit_gb: float = bounded(50.0, gt=0)
     on_bad_file: OnBadFile = OnBadFile.skip  # a corrupt/unreadable file: skip it, or fail
-    read_retries: int = bounded(5, ge=0)  # per file, on transient volume errors, with exponential backoff
+    # Per file, on transient volume errors, with exponential backoff
+    read_retries: int = bounded(5, ge=0)
     retry_backoff_seconds: float = bounded(0.1, ge=0)
     reindex: bool = False  # list the volume again instead of reusing the stored index
-    global_batch_size: int = bounded(128, ge=1)  # samples consumed by one optimizer step, over all ranks
+    # Samples consumed by one optimizer step, over all ranks
+    global_batch_size: int = bounded(128, ge=1)
     val_batch_size: int = bounded(256, ge=1)
     num_workers: int = bounded(2, ge=0)
     prefetch_factor: int = bounded(4, ge=1)  # batches each worker decodes ahead
-    prefetch_threads: int = bounded(16, ge=0)  # threads (0: none) fetching upcoming files into the cache
+    # Threads (0: none) fetching upcoming files into the cache
+    prefetch_threads: int = bounded(16, ge=0)
     prefetch_batches: int = bounded(8, ge=1)  # how many batches ahead those threads fetch
     image_size: int = bounded(64, ge=8)
     crop_scale_min: float = bounded(0.35, gt=0, le=1)  # RandomResizedCrop's lower area bound
@@ -214,7 +220,7 @@ class DataConfig:
 @dataclass
 class StrategyConfig:
     name: StrategyName = StrategyName.single
-    # ddp: gradients are all-reduced in buckets of this size while backward still runs.
+    # Ddp: gradients are all-reduced in buckets of this size while backward still runs.
     ddp_bucket_cap_mb: float = bounded(25.0, gt=0)
     # fsdp: modules of these classes (by class name) are sharded as units of their own, so
     # only one block's parameters are gathered at a time; what is left goes to the root.
@@ -224,10 +230,10 @@ class StrategyConfig:
     # backward): less memory for one more all-gather per unit.
     fsdp_reshard_after_forward: bool = True
     # Every collective gives up after this long (never torch's 30-minute default): a dead or
-    # frozen peer fails the group, and torchrun restarts it.
+    # Frozen peer fails the group, and torchrun restarts it.
     timeout_seconds: float = bounded(300.0, gt=0)
     # Joining the group: peers may still be starting (importing torch, loading data), so
-    # this is longer; a rank that never shows up still fails the round after it.
+    # This is longer; a rank that never shows up still fails the round after it.
     init_timeout_seconds: float = bounded(600.0, gt=0)
 
 
@@ -253,7 +259,8 @@ class SchedulerConfig:
 @dataclass
 class TrainerConfig:
     max_epochs: int = bounded(10, ge=1)  # the planned length: the lr schedule spans it
-    max_steps: Optional[int] = bounded(None, ge=1)  # stop early at this optimizer step (the schedule is kept)
+    # Stop early at this optimizer step (the schedule is kept)
+    max_steps: Optional[int] = bounded(None, ge=1)
     device: Device = Device.auto
     precision: Precision = Precision.auto
     grad_accum_steps: int = bounded(1, ge=1)
@@ -302,9 +309,11 @@ class HealthConfig:
     enabled: bool = True
     spike_factor: float = bounded(10.0, gt=1)  # a loss above this x the running median is a spike
     median_window: int = bounded(50, ge=1)  # steps in that running median (saved in checkpoints)
-    min_history: int = bounded(10, ge=1)  # spikes are only judged once the window holds this many losses
+    # Spikes are only judged once the window holds this many losses
+    min_history: int = bounded(10, ge=1)
     max_rollbacks: int = bounded(3, ge=0)  # per process lifetime; one more bad step fails the run
-    replica_check_steps: int = bounded(100, ge=0)  # DDP: compare a parameter checksum across ranks; 0 = off
+    # DDP: compare a parameter checksum across ranks; 0 = off
+    replica_check_steps: int = bounded(100, ge=0)
     # A rank with no progress for this long dumps stacks and exits; 0 = no watchdog.
     hang_seconds: float = bounded(600.0, ge=0)
     preflight: bool = True  # check the device and the collectives before training
