@@ -220,7 +220,7 @@ class DataConfig:
 @dataclass
 class StrategyConfig:
     name: StrategyName = StrategyName.single
-    # Ddp: gradients are all-reduced in buckets of this size while backward still runs.
+    # ddp: gradients are all-reduced in buckets of this size while backward still runs.
     ddp_bucket_cap_mb: float = bounded(25.0, gt=0)
     # fsdp: modules of these classes (by class name) are sharded as units of their own, so
     # only one block's parameters are gathered at a time; what is left goes to the root.
@@ -230,10 +230,10 @@ class StrategyConfig:
     # backward): less memory for one more all-gather per unit.
     fsdp_reshard_after_forward: bool = True
     # Every collective gives up after this long (never torch's 30-minute default): a dead or
-    # Frozen peer fails the group, and torchrun restarts it.
+    # frozen peer fails the group, and torchrun restarts it.
     timeout_seconds: float = bounded(300.0, gt=0)
     # Joining the group: peers may still be starting (importing torch, loading data), so
-    # This is longer; a rank that never shows up still fails the round after it.
+    # this is longer; a rank that never shows up still fails the round after it.
     init_timeout_seconds: float = bounded(600.0, gt=0)
 
 
