@@ -27,6 +27,8 @@ from checkpointing.storage import Store
 STEP_DIR = re.compile(r"^step_(\d{9})$")
 PARTIAL_DIR = re.compile(r"^\.step_(\d{9})\.(partial|replaced)-[\w.-]+$")
 MARKER = re.compile(r"^commit_rank_(\d+)\.json$")
+# A marker lists one rank's few files: a few KB. Anything near this is not a marker.
+MAX_MARKER_BYTES = 16 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -79,13 +81,19 @@ def verify(store: Store, directory: str, step: int, checksums: bool = True) -> i
     listed: Dict[str, FileRecord] = {}
     world_size: Optional[int] = None
     for rank in ranks:
+        path = store.path(directory, marker_name(rank))
+        _check_regular_file(store, path, marker_name(rank))
+        if store.size(path) > MAX_MARKER_BYTES:
+            raise Incomplete(f"{marker_name(rank)} is over {MAX_MARKER_BYTES >> 20} MB: not a "
+                             f"commit marker")
         try:
-            body = json.loads(store.read_bytes(store.path(directory, marker_name(rank))))
+            body = json.loads(store.read_bytes(path))
             files = {n: FileRecord(int(f["size"]), str(f["sha256"]))
                      for n, f in body["files"].items()}
             marker_step, marker_world = int(body["step"]), int(body["world_size"])
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise Incomplete(f"{marker_name(rank)} is unreadable ({err})") from None
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+            raise Incomplete(f"{marker_name(rank)} is unreadable "
+                             f"({type(err).__name__}: {str(err)[:200]})") from None
         if marker_step != step:
             raise Incomplete(f"{marker_name(rank)} belongs to step {marker_step}")
         if world_size not in (None, marker_world):
@@ -96,10 +104,13 @@ def verify(store: Store, directory: str, step: int, checksums: bool = True) -> i
     missing_ranks = sorted(set(range(world_size)) - set(ranks))
     if missing_ranks:
         raise Incomplete(f"commit marker of rank(s) {missing_ranks} missing")
+    if METADATA_FILE not in listed:  # unsigned, it could be anything, even a FIFO
+        raise Incomplete(f"no commit marker lists {METADATA_FILE}")
     for name, record in sorted(listed.items()):
         path = store.path(directory, name)
         if name not in names:
             raise Incomplete(f"{name} is missing")
+        _check_regular_file(store, path, name)
         size = store.size(path)
         if size != record.size:
             raise Incomplete(f"{name} is {size} bytes, its marker says {record.size}")
@@ -119,6 +130,13 @@ def verify(store: Store, directory: str, step: int, checksums: bool = True) -> i
     return world_size
 
 
+def _check_regular_file(store: Store, path: str, name: str) -> None:
+    """A checkpoint holds regular files only: a link may point at /dev/zero, a FIFO or a
+    file outside the checkpoint, and reading those hangs or leaks."""
+    if not store.is_regular_file(path):
+        raise Incomplete(f"{name} is not a regular file (a symlink, device or directory)")
+
+
 def committed_steps(store: Store) -> List[int]:
     """Steps that have a `step_X` directory, newest first (complete or not)."""
     return sorted((int(m.group(1)) for n in store.listdir() if (m := STEP_DIR.match(n))),
@@ -133,7 +151,7 @@ def find_complete(store: Store, log=None) -> Iterator[Tuple[int, int]]:
     for step in committed_steps(store):
         try:
             world_size = verify(store, step_dir_name(step), step)
-        except Incomplete as why:
+        except (Incomplete, OSError) as why:  # OSError: unreadable after the store's retries
             if log:
                 log.warning("checkpoint %s is incomplete (%s): skipping it",
                             store.path(step_dir_name(step)), why)

@@ -10,6 +10,9 @@ The checkpoint is verified against its commit markers first (an incomplete or al
 is refused), and loading never executes code from it: `.metadata` goes through the
 restricted unpickler and the tensors are read into tensors allocated here.
 
+Exit code 0 when OUT is written; 2, with one line on stderr, when CKPT is missing, holds no
+complete checkpoint or an unsafe one, or OUT cannot be written.
+
     $ python -m checkpointing.export outputs/resnet/checkpoints resnet18.safetensors
 """
 
@@ -73,6 +76,9 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
             metadata = load_metadata(f)
     except UnsafeCheckpointError as err:  # replaced since it was verified
         raise ExportError(f"{checkpoint_dir / '.metadata'} is unsafe: {err}") from None
+    except Exception as err:  # damaged since it was verified: any unpickling failure
+        raise ExportError(f"{checkpoint_dir / '.metadata'} is unreadable "
+                          f"({type(err).__name__})") from None
     prefix = MODEL_KEY + "."
     entries = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     if not entries:
@@ -81,6 +87,12 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
                          if not isinstance(v, TensorStorageMetadata))
     if not_tensors:
         raise ExportError(f"{not_tensors[0]} is not a tensor: not a model state dict")
+    # The sizes come from the file: a forged one must not allocate more than it could fill.
+    wanted = sum(v.size.numel() * v.properties.dtype.itemsize for v in entries.values())
+    stored = sum(p.stat().st_size for p in checkpoint_dir.glob("*.distcp"))
+    if wanted > stored:
+        raise ExportError(f"{checkpoint_dir / '.metadata'} declares {wanted} bytes of model "
+                          f"tensors but the checkpoint's files hold {stored}")
     # Flat keys: DCP matches them to the saved fully qualified names directly. The rest of
     # the checkpoint (optimizer, RNG, ...) is simply not requested, so never read.
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
@@ -146,12 +158,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         source, step = export(args.ckpt, args.out)
-    except FileNotFoundError as err:
+    except (ExportError, OSError) as err:  # retrying cannot help: exit code 2
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except ExportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
     print(f"exported the model of {source} (step {step}) to {args.out}")
     return 0
 

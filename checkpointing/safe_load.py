@@ -10,6 +10,7 @@ strings, lists, dicts, tuples, tensors). Tensors already load with `weights_only
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 from typing import Any, BinaryIO
 
@@ -18,55 +19,111 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata,
+                                                     ChunkStorageMetadata, Metadata,
+                                                     MetadataIndex, StorageMeta,
+                                                     TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import ReadItem
 
 METADATA_FILE = ".metadata"
-
-_ALLOWED_MODULES = {
-    # every class and enum DCP's Metadata is made of
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint._extension",
-}
-_ALLOWED_NAMES = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
+# A ResNet-50's is ~100 KB and one of a large model sharded over a thousand ranks some tens of
+# MB; unpickling inflates a file several times over, so a planted giant is refused unread.
+MAX_METADATA_BYTES = 1 << 30
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file refers to something that is not checkpoint data."""
 
 
+def _shown(text: str) -> str:
+    """A name from the file as one short printable line (it may hold anything)."""
+    return ascii(text[:100])[1:-1] if isinstance(text, str) else type(text).__name__
+
+
+def _layout_named(name: str) -> torch.layout:
+    """What `torch.serialization._get_layout` does for the layouts a tensor can have."""
+    layout = _LAYOUTS.get(name) if isinstance(name, str) else None
+    if layout is None:
+        raise UnsafeCheckpointError(f"refusing layout {_shown(name)}: not a torch layout")
+    return layout
+
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+# Exactly the (module, name) pairs the `.metadata` of torch 2.14's DCP refers to, collected
+# from real checkpoints (single process, DDP and FSDP trainers; model, optimizer, scheduler
+# and plain Python state; every dtype), each mapped to its object so that nothing is ever
+# imported or looked up by a name the file supplies. Everything else is refused: a pickle
+# resolves dotted names through a module's own imports, so allowing a whole module would
+# allow everything it imports.
+_ALLOWED = {
+    **{("torch.distributed.checkpoint.metadata", cls.__name__): cls
+       for cls in (Metadata, StorageMeta, MetadataIndex, BytesStorageMetadata,
+                   ChunkStorageMetadata, TensorProperties, TensorStorageMetadata,
+                   _MEM_FORMAT_ENCODING)},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.serialization", "_get_layout"): _layout_named,
+    ("torch", "Size"): torch.Size,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
+    **{("torch", name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)},
+}
+
+
 class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module in _ALLOWED_MODULES or (module, name) in _ALLOWED_NAMES
-                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-        if not allowed:
-            raise UnsafeCheckpointError(
-                f"refusing to load {module}.{name}: DCP metadata never contains it")
-        return super().find_class(module, name)
+        try:
+            return _ALLOWED[(module, name)]
+        except (KeyError, TypeError):
+            raise UnsafeCheckpointError(f"refusing to load {_shown(module)}.{_shown(name)}: "
+                                        f"DCP metadata never contains it") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError("refusing a persistent id: DCP metadata never holds one")
 
 
-def load_metadata(stream: BinaryIO) -> Metadata:
-    metadata = MetadataUnpickler(stream).load()
+def _check_structure(metadata: Any) -> None:
+    """The parts of `Metadata` that loading and verifying read have the types they need,
+    so a forged one is refused here rather than failing somewhere deep inside DCP."""
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{METADATA_FILE} holds a {type(metadata).__name__}, "
                                     f"not DCP Metadata")
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or not all(
+            isinstance(k, str) and (isinstance(v, BytesStorageMetadata) or (
+                isinstance(v, TensorStorageMetadata) and isinstance(v.size, torch.Size)
+                and isinstance(v.properties, TensorProperties)
+                and isinstance(v.properties.dtype, torch.dtype)
+                and isinstance(v.chunks, list)
+                and all(isinstance(c, ChunkStorageMetadata) for c in v.chunks)))
+            for k, v in entries.items()):
+        raise UnsafeCheckpointError(f"{METADATA_FILE}: malformed state_dict_metadata")
+    storage = metadata.storage_data
+    if storage is not None and not (isinstance(storage, dict) and all(
+            isinstance(k, MetadataIndex) and isinstance(v, _StorageInfo)
+            and isinstance(v.relative_path, str) for k, v in storage.items())):
+        raise UnsafeCheckpointError(f"{METADATA_FILE}: malformed storage_data")
+
+
+def load_metadata(stream: BinaryIO) -> Metadata:
+    """DCP `Metadata` from `stream`, or `UnsafeCheckpointError` when the file refers to
+    anything else, is shaped unlike it or is too big; a damaged file raises whatever the
+    unpickler raises. Nothing the file names is imported or called but `_ALLOWED`."""
+    data = stream.read(MAX_METADATA_BYTES + 1)
+    if len(data) > MAX_METADATA_BYTES:
+        raise UnsafeCheckpointError(f"{METADATA_FILE} is over {MAX_METADATA_BYTES >> 20} MB: "
+                                    f"not DCP metadata")
+    metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    _check_structure(metadata)
     return metadata
 
 
 class _SafeMetadata:
     """DCP's `read_metadata`, with the restricted unpickler for `.metadata`."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+    # No `rank` parameter: DCP then never falls back to per-rank metadata files, which no
+    # commit marker signs.
+    def read_metadata(self) -> Metadata:
+        path = self._get_metadata_path()
         with self.fs.create_stream(path, "rb") as f:
             metadata = load_metadata(f)
         if getattr(metadata, "storage_meta", None) is None:

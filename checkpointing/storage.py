@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Callable, List, TypeVar
@@ -76,6 +77,12 @@ class Store:
 
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)
+
+    def is_regular_file(self, path: str) -> bool:
+        """A plain file, not a symlink (on a local path), device, FIFO or directory."""
+        if self.is_local:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        return self.fs.info(path).get("type") == "file"
 
     def size(self, path: str) -> int:
         return int(_retrying(lambda: self.fs.size(path)))

@@ -137,7 +137,7 @@ def test_export_refuses_a_damaged_checkpoint(ckpt_dir, tmp_path):
     flip_byte(ckpt_dir / STEP_4 / "__0_0.distcp")
     out = tmp_path / "model.pt"
     result = run_cli("checkpointing.export", str(ckpt_dir / STEP_4), str(out))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: {ckpt_dir / STEP_4} is incomplete: __0_0.distcp does not match its checksum "
         f"(altered or swapped)"]
@@ -165,7 +165,7 @@ def test_export_never_runs_a_planted_metadata_pickle(ckpt_dir, tmp_path, capsys)
                                   "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest()}
     marker.write_text(json.dumps(body))
 
-    assert export.main([str(ckpt_dir / STEP_4), str(tmp_path / "model.pt")]) == 1
+    assert export.main([str(ckpt_dir / STEP_4), str(tmp_path / "model.pt")]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: ") and ".metadata is unsafe" in error, error
     assert not side_effect.exists()

@@ -1,0 +1,330 @@
+"""A hostile checkpoint folder never runs code, hangs or exhausts memory, whichever pickle
+opcode, protocol or name it uses, on resume, in `checkpointing.verify` and in
+`checkpointing.export`; what it holds is a damaged checkpoint, skipped with one line.
+
+Every payload would make a directory (`pwned`) if any part of it ran, so "nothing ran" is
+checked by that directory's absence, not by an error message alone."""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import json
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from checkpointing import commit, export, safe_load, verify
+from checkpointing.safe_load import SafeLoadPlanner, UnsafeCheckpointError, load_metadata
+from checkpointing.storage import Store
+from conftest import REPO
+from test_checkpoint import Job, Payload, manager, rewrite_marker, same, two_checkpoints
+
+STEP_2 = "step_000000002"
+PLANTED = "planted_goodput_mod"  # a module the attacker drops next to the checkpoint
+
+
+def push_str(s: str) -> bytes:
+    data = s.encode()
+    return b"X" + struct.pack("<I", len(data)) + data  # BINUNICODE
+
+
+def push_bytes(b: bytes) -> bytes:
+    return b"B" + struct.pack("<I", len(b)) + b  # BINBYTES
+
+
+def push_global(proto: int, opcode: str, module: str, name: str) -> bytes:
+    if opcode == "GLOBAL":  # the text opcode: dotted names resolve under PROTO >= 4
+        return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+    return push_str(module) + push_str(name) + b"\x93"  # STACK_GLOBAL
+
+
+def header(proto: int) -> bytes:
+    return b"\x80" + bytes([proto]) if proto >= 2 else b""
+
+
+def invocations(proto: int, opcode: str, module: str, name: str, arg: bytes) -> List[bytes]:
+    """Every opcode that calls what a global names: REDUCE, NEWOBJ, OBJ, INST, and BUILD on
+    an instance of it (a planted class's `__setstate__`)."""
+    g = push_global(proto, opcode, module, name)
+    h = header(proto)
+    return [h + g + b"(" + arg + b"tR.",
+            h + g + b"(" + arg + b"t\x81.",
+            h + b"(" + g + arg + b"o.",
+            h + b"(" + arg + b"i" + module.encode() + b"\n" + name.encode() + b"\n.",
+            h + g + b")\x81" + arg + b"b."]
+
+
+def targets(marker: Path) -> List[Tuple[str, str, bytes]]:
+    """(module, name, argument): each one, if called, imports or runs what it is given."""
+    shell = push_str(f"mkdir {marker}")
+    return [
+        ("torch.distributed.checkpoint.metadata", "os.system", shell),
+        ("torch.distributed.checkpoint.metadata", "Metadata.__init__.__globals__", shell),
+        ("torch", "os.system", shell),
+        ("torch", "Size.__new__", shell),
+        ("torch.serialization", "pickle.loads", push_bytes(pickle.dumps(Payload(marker)))),
+        ("torch.distributed.checkpoint._extension", "try_import", push_str(PLANTED)),
+        ("builtins", "eval", push_str(f"__import__('os').mkdir({str(marker)!r})")),
+        ("builtins", "exec", push_str(f"import os; os.mkdir({str(marker)!r})")),
+        ("builtins", "getattr", shell),
+        ("builtins", "__import__", push_str(PLANTED)),
+        ("importlib", "import_module", push_str(PLANTED)),
+        ("torch._utils", "_import_dotted_name", push_str(f"{PLANTED}.Evil")),
+        ("copyreg", "_reconstructor", shell),
+        ("functools", "partial", shell),
+        ("os", "system", shell),
+        ("posix", "system", shell),
+        ("subprocess", "getoutput", shell),
+        (PLANTED, "Evil", shell),
+    ]
+
+
+@pytest.fixture
+def planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A .py file in the current directory that makes `pwned` when imported, as a `python
+    -m` run would find it (the current directory is first on its path)."""
+    marker = tmp_path / "pwned"
+    (tmp_path / f"{PLANTED}.py").write_text(
+        f"import os\nos.makedirs({str(marker)!r}, exist_ok=True)\n"
+        f"class Evil:\n    def __setstate__(self, state):\n"
+        f"        os.makedirs({str(marker)!r}, exist_ok=True)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield marker
+    sys.modules.pop(PLANTED, None)
+
+
+def assert_nothing_ran(marker: Path) -> None:
+    assert not marker.exists()
+    assert PLANTED not in sys.modules
+
+
+def test_the_payloads_are_real(planted):
+    """The control: unpickled the way DCP does by default, the payloads run."""
+    shell = push_str(f"mkdir {planted}")
+    payload = invocations(4, "STACK_GLOBAL", "torch.distributed.checkpoint.metadata",
+                          "os.system", shell)[0]
+    pickle.loads(payload)
+    assert planted.is_dir()
+    planted.rmdir()
+    pickle.loads(header(2) + push_global(2, "GLOBAL", PLANTED, "Evil") + b")\x81}b.")
+    assert planted.is_dir()
+
+
+@pytest.mark.parametrize("proto,opcode", [(0, "GLOBAL"), (2, "GLOBAL"), (4, "GLOBAL"),
+                                          (4, "STACK_GLOBAL"), (5, "STACK_GLOBAL")])
+def test_metadata_naming_anything_but_dcp_types_is_refused(planted, proto, opcode):
+    for module, name, arg in targets(planted):
+        for payload in invocations(proto, opcode, module, name, arg):
+            with pytest.raises(UnsafeCheckpointError, match="refusing"):
+                load_metadata(io.BytesIO(payload))
+            assert_nothing_ran(planted)
+
+
+@pytest.mark.parametrize("ext", [b"\x82", b"\x83", b"\x84"])
+def test_extension_registry_codes_are_refused(planted, ext):
+    """EXT1/2/4 name a global by a number some library registered: the same check applies."""
+    code = {b"\x82": 0xF1, b"\x83": 0xF123, b"\x84": 0xF12345}[ext]
+    width = {b"\x82": "<B", b"\x83": "<H", b"\x84": "<i"}[ext]
+    module, name = "torch.distributed.checkpoint.metadata", "os.system"
+    copyreg.add_extension(module, name, code)
+    try:
+        payload = header(4) + ext + struct.pack(width, code) + b"(" + push_str(
+            f"mkdir {planted}") + b"tR."
+        with pytest.raises(UnsafeCheckpointError, match=f"refusing to load {module}.{name}"):
+            load_metadata(io.BytesIO(payload))
+    finally:
+        copyreg.remove_extension(module, name, code)
+    assert_nothing_ran(planted)
+
+
+@pytest.mark.parametrize("payload", [b"P1\n.", header(2) + push_str("x") + b"Q."],
+                         ids=["PERSID", "BINPERSID"])
+def test_persistent_ids_are_refused(payload):
+    with pytest.raises(UnsafeCheckpointError, match="persistent id"):
+        load_metadata(io.BytesIO(payload))
+
+
+def real_metadata(tmp_path: Path) -> bytes:
+    root, _ = two_checkpoints(tmp_path)
+    return (root / STEP_2 / ".metadata").read_bytes()
+
+
+def test_real_metadata_loads_and_forged_shapes_are_refused(tmp_path):
+    metadata = load_metadata(io.BytesIO(real_metadata(tmp_path)))
+    assert {"model.0.weight", "optim.state.0.weight.exp_avg", "trainer.step"} <= set(
+        metadata.state_dict_metadata)
+    forged = [header(2) + b"]" * 200_000 + b"a" * 199_999 + b".",  # deeply nested
+              header(2) + b"}" + push_str("x") + b"]s.",  # a dict, not Metadata
+              header(2) + push_global(2, "GLOBAL", "torch.serialization", "_get_layout")
+              + b"(" + push_str("torch.sparse_coo').__class__") + b"tR."]
+    for data in forged:
+        with pytest.raises(UnsafeCheckpointError):
+            load_metadata(io.BytesIO(data))
+
+
+def test_metadata_over_the_size_limit_is_refused_unread(monkeypatch):
+    monkeypatch.setattr(safe_load, "MAX_METADATA_BYTES", 1000)
+    with pytest.raises(UnsafeCheckpointError, match="over"):
+        load_metadata(io.BytesIO(b"\x80\x04" + b"N" * 5000 + b"."))
+
+
+def plant_metadata(step_dir: Path, data: bytes) -> None:
+    (step_dir / ".metadata").write_bytes(data)
+    rewrite_marker(step_dir)  # re-signed: the checksums alone pass
+
+
+def test_a_resigned_hostile_metadata_is_a_damaged_checkpoint_everywhere(planted, tmp_path,
+                                                                       caplog, capsys):
+    """Resume falls back with one line, verify reports it, export refuses: all through the
+    same restricted load, and none runs it."""
+    root, first = two_checkpoints(tmp_path)
+    payload = invocations(4, "STACK_GLOBAL", "torch.distributed.checkpoint.metadata",
+                          "os.system", push_str(f"mkdir {planted}"))[0]
+    plant_metadata(root / STEP_2, payload)
+
+    with caplog.at_level(logging.WARNING):
+        job = Job(seed=9)
+        assert manager(root).load_latest(job.state()) == 1
+    assert same(job.snapshot(), first)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and STEP_2 in warnings[0] and "refusing" in warnings[0]
+    assert "\n" not in warnings[0] and not any(r.exc_info for r in caplog.records)
+
+    assert verify.main([str(root)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{STEP_2}  INCOMPLETE: .metadata is unsafe: refusing")
+    assert lines[1].startswith("step_000000001  complete")
+
+    assert export.main([str(root / STEP_2), str(tmp_path / "model.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "refusing" in err[0], err
+    assert not (tmp_path / "model.pt").exists()
+    assert_nothing_ran(planted)
+
+
+def test_a_metadata_declaring_huge_tensors_is_not_allocated_by_export(tmp_path, capsys):
+    """Export allocates tensors of the sizes `.metadata` declares: a forged size would take
+    all memory before a byte is read."""
+    root, _ = two_checkpoints(tmp_path)
+    metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
+    metadata.state_dict_metadata["model.0.weight"].size = torch.Size([1 << 20, 1 << 20])
+    plant_metadata(root / STEP_2, pickle.dumps(metadata))
+    assert export.main([str(root / STEP_2), str(tmp_path / "model.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "declares" in err[0], err
+
+
+def run_verify(root: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "checkpointing.verify", str(root)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_links_in_a_checkpoint_are_not_followed(tmp_path):
+    """A file linked to /dev/zero reads forever (its size is 0, as signed); one linked
+    outside reads another file. Both make the checkpoint incomplete, at once."""
+    root, _ = two_checkpoints(tmp_path)
+    marker = root / STEP_2 / "commit_rank_0.json"
+    elsewhere = tmp_path / "marker.json"
+    marker.rename(elsewhere)
+    marker.symlink_to(elsewhere)  # the same bytes, through a link
+    step_1 = root / "step_000000001" / "commit_rank_0.json"
+    step_1.unlink()
+    step_1.symlink_to("/dev/zero")
+    result = run_verify(root)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{STEP_2}  INCOMPLETE: commit_rank_0.json is not a regular file (a symlink, device "
+        f"or directory)",
+        "step_000000001  INCOMPLETE: commit_rank_0.json is not a regular file (a symlink, "
+        "device or directory)"]
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[" * 100_000, b"[]", b'{"files": 3}',
+                                  b"\xff\xfe", json.dumps({"step": 2, "world_size": 1,
+                                                           "files": {"x": {"size": "1" * 5000,
+                                                                           "sha256": ""}}}
+                                                          ).encode()],
+                         ids=["text", "nested", "list", "files-int", "binary", "huge-int"])
+def test_a_marker_that_is_not_a_marker_makes_the_checkpoint_incomplete(tmp_path, caplog, body):
+    root, first = two_checkpoints(tmp_path)
+    (root / STEP_2 / "commit_rank_0.json").write_bytes(body)
+    with caplog.at_level(logging.WARNING):
+        job = Job(seed=9)
+        assert manager(root).load_latest(job.state()) == 1
+    assert same(job.snapshot(), first)
+    assert "commit_rank_0.json is unreadable" in caplog.text
+
+
+def test_a_marker_over_the_size_limit_is_refused_unread(tmp_path, monkeypatch):
+    root, _ = two_checkpoints(tmp_path)
+    monkeypatch.setattr(commit, "MAX_MARKER_BYTES", 100)
+    with pytest.raises(commit.Incomplete, match="not a commit marker"):
+        commit.verify(Store(str(root)), STEP_2, 2)
+
+
+def test_an_unsigned_metadata_is_not_trusted(tmp_path):
+    root, _ = two_checkpoints(tmp_path)
+    marker = root / STEP_2 / "commit_rank_0.json"
+    body = json.loads(marker.read_text())
+    del body["files"][".metadata"]
+    marker.write_text(json.dumps(body))
+    with pytest.raises(commit.Incomplete, match="no commit marker lists .metadata"):
+        commit.verify(Store(str(root)), STEP_2, 2)
+
+
+def torch_saved_with(data_pkl: bytes) -> io.BytesIO:
+    """A `torch.save` archive (what DCP stores for a non-tensor item) holding `data_pkl`."""
+    buffer = io.BytesIO()
+    torch.save({"step": 1}, buffer)
+    buffer.seek(0)
+    out = io.BytesIO()
+    with zipfile.ZipFile(buffer) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, data_pkl if info.filename.endswith("/data.pkl")
+                         else src.read(info))
+    out.seek(0)
+    return out
+
+
+def test_non_tensor_items_naming_anything_are_refused(planted):
+    planner = SafeLoadPlanner()
+    index = MetadataIndex("trainer.step")
+    item = ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]),
+                    torch.Size([0]))
+    for proto, opcode in [(2, "GLOBAL"), (4, "STACK_GLOBAL")]:
+        for module, name, arg in targets(planted):
+            for payload in invocations(proto, opcode, module, name, arg):
+                with pytest.raises(UnsafeCheckpointError, match="refusing to load item"):
+                    planner.load_bytes(item, torch_saved_with(payload))
+                assert_nothing_ran(planted)
+
+
+def test_a_hostile_non_tensor_item_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
+    marker = tmp_path / "pwned"
+    root = tmp_path / "ckpt"
+    mgr = manager(root, async_mode="off")
+    job = Job()
+    mgr.save(1, job.state())
+    first = job.snapshot()
+    mgr.save(2, {**job.state(), "trainer": {"step": Payload(marker)}})
+    with caplog.at_level(logging.WARNING):
+        fresh = Job(seed=9)
+        assert manager(root).load_latest(fresh.state()) == 1
+    assert same(fresh.snapshot(), first) and not marker.exists()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "refusing to load item trainer.step" in warnings[0].message
+    assert not any(r.exc_info for r in caplog.records)
