@@ -64,8 +64,10 @@ def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_p
     # 1 cleans its own, which nothing else ever did.
     assert os.listdir(staging / "node_0") == os.listdir(staging / "node_1") == []
     assert commit.committed_steps(Store(str(run_dir / "checkpoints")))[0] == 12
-    assert_same_contents(checkpoint_contents(run_dir / "checkpoints" / FINAL),
-                         ddp_reference["contents"])
+    contents = checkpoint_contents(run_dir / "checkpoints" / FINAL)
+    assert contents.pop("run.run_name") == run_dir.name  # the reference is run r
+    assert_same_contents(contents, {k: v for k, v in ddp_reference["contents"].items()
+                                    if k != "run.run_name"})
 
 
 def test_a_sweep_under_torchrun_is_refused(tiny_root, tmp_path):
