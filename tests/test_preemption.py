@@ -99,11 +99,13 @@ def test_torchrun_agent_signalled_all_ranks_stop_at_one_step(tiny_root, tmp_path
 
 
 def test_a_signal_to_one_rank_stops_the_group_at_a_checkpoint(tiny_root, tmp_path):
-    """Only rank 1 is signalled: rank 0 learns it from the step's all-reduce, both save the
-    same step, and torchrun's restart resumes from it with nothing redone."""
+    """Only rank 1 is signalled: rank 0 learns it from a per-step all-reduce (here the one
+    that runs with the health checks off), both save the same step, and torchrun's restart
+    resumes from it with nothing redone."""
     ledger = tmp_path / "ledger.jsonl"
     proc = launch(torchrun(2, max_restarts=1), train_args(tiny_root, tmp_path,
-                                                          NO_PERIODIC_SAVES))
+                                                          NO_PERIODIC_SAVES,
+                                                          "health.enabled=false"))
     wait_for(lambda: len(ledger_records(ledger)) >= 4, "two steps on two ranks", proc=proc)
     pids = worker_pids(tmp_path)
     os.kill(pids[1], signal.SIGTERM)
