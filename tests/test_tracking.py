@@ -3,6 +3,7 @@ warning, and training goes on with the metrics kept until the store answers agai
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -143,3 +144,20 @@ def test_a_store_failing_at_the_run_start_does_not_stop_training(
     assert run_id is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "training goes on" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("raised, status", [(None, "FINISHED"), ("preempted", "KILLED"),
+                                            ("crash", "FAILED")])
+def test_a_preempted_run_ends_killed_not_failed(store_uri: str, raised, status) -> None:
+    """A preempted run goes on when it is requeued: MLflow must not show it as a failure."""
+    from mlflow.tracking import MlflowClient
+
+    from train.preemption import Preempted
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri))
+    error = {"preempted": Preempted("SIGTERM", 3, saved=True),
+             "crash": RuntimeError("boom"), None: None}[raised]
+    with pytest.raises(type(error)) if error else contextlib.nullcontext():
+        with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
+            if error:
+                raise error
+    assert MlflowClient(tracking_uri=store_uri).get_run(run_id).info.status == status

@@ -16,6 +16,7 @@ from data.redact import strip_credentials
 from train.config import LoggerConfig, LoggerName
 from train.distributed import World, broadcast_object
 from train.errors import ConfigError
+from train.preemption import Preempted
 
 log = logging.getLogger(__name__)
 MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params
@@ -103,7 +104,8 @@ class MLflowTracker:
 
         MLflow params are immutable, so a resumed run records the config it resumed with
         as tags (`resume.<key>` for each value that differs from the logged params).
-        The run ends FAILED if the body raises.
+        The run ends FAILED if the body raises, KILLED if it was preempted (it goes on
+        when the same command runs again).
         """
         try:
             self.run_id = self._start(strip_credentials(run_name), config, resume_run_id)
@@ -116,6 +118,9 @@ class MLflowTracker:
         try:
             yield self.run_id
             status = "FINISHED"
+        except Preempted:
+            status = "KILLED"
+            raise
         finally:
             self.flush(final=True)
             try:
