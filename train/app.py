@@ -185,8 +185,6 @@ def seed_everything(seed: int, device: torch.device) -> None:
 
 def make_loop_plan(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device) -> LoopPlan:
     trainer = cfg.trainer
-    if trainer.max_epochs < 1 or (trainer.max_steps is not None and trainer.max_steps < 1):
-        raise ConfigError("trainer.max_epochs and trainer.max_steps must be >= 1")
     planned = trainer.max_epochs * batch_plan.steps_per_epoch
     total = min(planned, trainer.max_steps) if trainer.max_steps else planned
     bf16 = trainer.precision == Precision.bf16 or (
