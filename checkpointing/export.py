@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from checkpointing import commit
 from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
-from checkpointing.storage import Store
+from checkpointing.storage import Store, StoreUnavailable
 
 MODEL_KEY = "model"
 
@@ -158,7 +158,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         source, step = export(args.ckpt, args.out)
-    except (ExportError, OSError) as err:  # retrying cannot help: exit code 2
+    except (ExportError, OSError, StoreUnavailable) as err:  # retrying cannot help
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"exported the model of {source} (step {step}) to {args.out}")

@@ -9,8 +9,10 @@ See `checkpointing.commit` for what "complete" means.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import shutil
 import tempfile
 import threading
 import time
@@ -18,7 +20,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,12 @@ from checkpointing import commit
 from checkpointing.commit import FileRecord
 from checkpointing.safe_load import METADATA_FILE, SafeLoadPlanner, safe_reader
 from checkpointing.storage import CHUNK, Store
+from checkpointing.verify import listed_files
 
 log = logging.getLogger(__name__)
 
 ASYNC_MODES = ("off", "thread", "process")
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointError(RuntimeError):
@@ -57,6 +61,55 @@ class CheckpointOptions:
         if self.keep_last < 2:
             raise ValueError(f"checkpoint.keep_last={self.keep_last}: keep at least 2, so a "
                              f"checkpoint damaged after its commit still has a fallback")
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """`err`, the exceptions it wraps (DCP gathers each rank's into one) and their causes."""
+    todo, seen = [err], set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        if isinstance(e, CheckpointException):  # its str() holds every rank's traceback
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in e.failures.values())
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+
+
+def one_line(err: BaseException) -> str:
+    """What went wrong, without DCP's tracebacks: the innermost error's type and first line."""
+    cause = next((e for e in _causes(err) if not isinstance(e, CheckpointException)), err)
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[0]}" if text else type(cause).__name__
+
+
+def _free_bytes(where: str) -> float:
+    """Free space at a local directory; infinite when unknown (a URL, or it is gone)."""
+    try:
+        return shutil.disk_usage(where).free
+    except (OSError, ValueError):
+        return float("inf")
+
+
+def _megabytes(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _not_a_failed_save(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Checkpoint save failed")
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer. With `async_mode=process` it runs in DCP's background process,
+    which logs a failed save with every rank's traceback before handing the error back;
+    the trainer reports it in one line, so that process drops its own record."""
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        root = logging.getLogger()
+        if _not_a_failed_save not in root.filters:
+            root.addFilter(_not_a_failed_save)
+        return super().write_data(*args, **kwargs)
 
 
 def _hash_file(path: Path) -> FileRecord:
@@ -84,8 +137,11 @@ class CheckpointManager:
         self.local = Store(str(self.staging)) if self.staging else None
         self.attempt = self._agree_on_attempt_id()
         self._pending: Optional[threading.Thread] = None
-        self._pending_error: Optional[BaseException] = None
+        # the failure of the last save and the directory it was writing to
+        self._pending_error: Optional[Tuple[BaseException, str]] = None
         self._pending_step = -1
+        self._pending_planner: Optional[DefaultSavePlanner] = None
+        self.last_failure = ""  # why the last failed save failed (one line)
         self.last_complete_step: Optional[int] = None
         self.last_loaded_world_size: Optional[int] = None
         self.failed_saves = 0
@@ -117,6 +173,25 @@ class CheckpointManager:
             return {"no_dist": True}
         return {"process_group": self.group}
 
+    def check_storage(self) -> None:
+        """Raise CheckpointError, on every rank, unless each tier can be written: at start,
+        rather than at the first save with every step before it lost. A collective: rank 0
+        checks `checkpoint.dir` (shared), every rank its node's staging directory."""
+        tiers = [("checkpoint.dir", self.remote)] if self.rank == 0 else []
+        if self.local:
+            tiers.append(("checkpoint.staging_dir", self.local))
+        problem = None
+        for key, store in tiers:
+            try:
+                store.check_writable()
+            except OSError as err:
+                problem = (f"{key}={store.url} is not a writable directory ({one_line(err)}): "
+                           f"point {key} at one this process can write")
+                break
+        if not self._all_true(problem is None):
+            raise CheckpointError(problem or "checkpoint storage is not writable on another "
+                                             "rank: see its error")
+
     # ---- save ----
 
     def save(self, step: int, state: Dict[str, Any]) -> None:
@@ -131,20 +206,26 @@ class CheckpointManager:
         target.mkdir(parents=True, exist_ok=True)
         # On CUDA, staging reuses one pinned host buffer across saves (fast device-to-host
         # copies); that is safe because at most one save is in flight.
-        writer = FileSystemWriter(str(target), sync_files=True,
-                                  cache_staged_state_dict=torch.cuda.is_available())
+        writer = _Writer(str(target), sync_files=True,
+                         cache_staged_state_dict=torch.cuda.is_available())
         planner = DefaultSavePlanner()
+        self._pending_step, self._pending_planner = step, planner
         if self.options.async_mode == "off":
-            dcp.save(state, storage_writer=writer, planner=planner, **self._dcp_kwargs())
-            self.last_stall_seconds = time.perf_counter() - start
-            self._commit(step, target, start)
+            # A failure is reported like a background one: by the next wait() or close().
+            try:
+                dcp.save(state, storage_writer=writer, planner=planner, **self._dcp_kwargs())
+            except (Exception, CheckpointException) as err:  # the latter is a BaseException
+                self._pending_error = (err, str(target.parent))
+                return
+            finally:
+                self.last_stall_seconds = time.perf_counter() - start
+            self._commit_or_record(step, target, start)
             return
         kind = (AsyncCheckpointerType.PROCESS if self.options.async_mode == "process"
                 else AsyncCheckpointerType.THREAD)
         future = dcp.async_save(state, storage_writer=writer, planner=planner,
                                 async_checkpointer_type=kind, **self._dcp_kwargs())
         self.last_stall_seconds = time.perf_counter() - start
-        self._pending_step = step
         self._pending = threading.Thread(target=self._finish_in_background,
                                          args=(future, step, target, start),
                                          name=f"checkpoint-{step}", daemon=True)
@@ -154,9 +235,16 @@ class CheckpointManager:
                               start: float) -> None:
         try:
             future.result()
-            self._commit(step, target, start)
         except BaseException as err:  # reported by wait(); never silently lost
-            self._pending_error = err
+            self._pending_error = (err, str(target.parent))
+            return
+        self._commit_or_record(step, target, start)
+
+    def _commit_or_record(self, step: int, target: Path, start: float) -> None:
+        try:
+            self._commit(step, target, start)
+        except BaseException as err:  # the upload and markers go to checkpoint.dir
+            self._pending_error = (err, self.remote.url)
 
     def _commit(self, step: int, target: Path, start: float) -> None:
         """Upload this rank's files, write its marker; rank 0 renames once all are in."""
@@ -222,20 +310,68 @@ class CheckpointManager:
                               and int(match.group(1)) >= before):
                 self.local.remove(self.local.path(name))
 
-    def wait(self) -> bool:
-        """Block until the in-flight save (if any) is committed. False if it failed."""
-        if self._pending is None:
-            return True
-        self._pending.join()
-        self._pending = None
-        error, self._pending_error = self._pending_error, None
-        if error is None:
+    def wait(self, report: bool = True) -> bool:
+        """Block until the in-flight save (if any) is committed. False if it failed: then
+        `last_failure` says why, and with `report` one error line does too."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        failure, self._pending_error = self._pending_error, None
+        if failure is None:
             return True
         self.failed_saves += 1
-        log.error("checkpoint at step %d failed: %s: %s (the newest complete one is %s)",
-                  self._pending_step, type(error).__name__, error,
-                  self.last_complete_step if self.last_complete_step is not None else "none")
+        error, where = failure
+        full = _free_bytes(where) < max(self._checkpoint_bytes(), CHUNK)  # before _discard
+        self._discard(self._pending_step)
+        self.last_failure = self._describe(error, where, full)
+        if report:
+            log.error("checkpoint at step %d failed: %s (the newest complete one is %s)",
+                      self._pending_step, self.last_failure,
+                      self.last_complete_step if self.last_complete_step is not None else "none")
         return False
+
+    def _discard(self, step: int) -> None:
+        """Remove a failed save's partial directory now: on a full disk it holds the room
+        the next save needs (retention would only clean it after a success)."""
+        partial = commit.partial_dir_name(step, self.attempt)
+        try:
+            if self.rank == 0:
+                self.remote.remove(self.remote.path(partial))
+            if self.local and self.local_rank == 0:
+                self.local.remove(self.local.path(partial))
+        except OSError:
+            pass
+
+    def _checkpoint_bytes(self) -> int:
+        """About how big one checkpoint is: the newest committed one, else the failed save's
+        plan (DCP plans before it writes; 0 when planned in DCP's `process`)."""
+        for step in commit.committed_steps(self.remote):
+            try:
+                return listed_files(self.remote, commit.step_dir_name(step))[1]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+        plan = getattr(self._pending_planner, "plan", None)
+        tensors = [i.tensor_data for i in getattr(plan, "items", []) if i.tensor_data]
+        # this rank's share of the tensors (DCP spreads the writes), times the ranks
+        return self.world_size * sum(t.size.numel() * t.properties.dtype.itemsize
+                                     for t in tensors)
+
+    def _describe(self, error: BaseException, where: str, full: bool) -> str:
+        """One line: for a full disk (`full`: hardly any room was left when it failed), where
+        and how much room is needed."""
+        errnos = {e.errno for e in _causes(error) if isinstance(e, OSError)}
+        # torch's zip writer reports a short write as "unexpected pos", with no errno to go by
+        if not (errnos & set(NO_SPACE) or (full and not errnos)):
+            return one_line(error)
+        keep, size = self.options.keep_last, self._checkpoint_bytes()
+        room = (f"about {_megabytes((keep + 1) * size)} ({keep + 1} checkpoints of about "
+                f"{_megabytes(size)})" if size else f"room for {keep + 1} checkpoints")
+        free = _free_bytes(where)
+        key = "checkpoint.staging_dir" if where == str(self.staging) else "checkpoint.dir"
+        return (f"no space left on device at {where}: checkpoint.keep_last={keep} needs "
+                f"{room}, the kept ones and the next"
+                + (f"; {_megabytes(free)} free" if free < float("inf") else "")
+                + f": free some space, lower checkpoint.keep_last or point {key} elsewhere")
 
     def close(self) -> None:
         """Wait for the last save; raise if it failed (a run must end on a checkpoint).
@@ -243,15 +379,15 @@ class CheckpointManager:
         A collective when there is a staging tier: past it no rank touches staging again,
         so each node's last partial goes too.
         """
-        ok = self.wait()
+        ok = self.wait(report=False)
         if self.local:
             if self.group is not None and self.world_size > 1:
                 dist.barrier(group=self.group)
             if self.rank != 0 and self.local_rank == 0:
                 self._clean_local_partials()
         if not ok:
-            raise CheckpointError(f"the final checkpoint (step {self._pending_step}) failed; "
-                                  f"see the error above")
+            raise CheckpointError(f"the final checkpoint (step {self._pending_step}) failed: "
+                                  f"{self.last_failure}")
 
     # ---- retention ----
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, List, TypeVar
 
@@ -48,10 +49,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class StoreUnavailable(ValueError):
+    """A URL whose protocol fsspec does not know, or whose package is not installed."""
+
+
 class Store:
     def __init__(self, url: str) -> None:
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        except (ValueError, ImportError) as err:
+            raise StoreUnavailable(f"cannot open {self.url}: {str(err).splitlines()[0]} (a "
+                                   f"URL needs its fsspec package, e.g. s3fs for s3://)") \
+                from None
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = os.path.abspath(self.root)
@@ -112,6 +122,14 @@ class Store:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path))
+
+    def check_writable(self) -> None:
+        """Create the root if missing, then write, fsync and remove a probe file in it, as a
+        checkpoint would; raises OSError when that fails."""
+        self.makedirs(self.root)
+        probe = self.path(f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.write_bytes(probe, b"probe")
+        self.remove(probe)
 
     def put(self, local_file: Path, path: str) -> None:
         """Copy a local file in (the upload from the staging tier)."""

@@ -19,7 +19,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from checkpointing import commit
-from checkpointing.storage import Store
+from checkpointing.storage import Store, StoreUnavailable
 
 
 def listed_files(store: Store, directory: str) -> Tuple[int, int]:
@@ -74,7 +74,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="a checkpoint.dir (holding step_* directories): a path or an "
                              "fsspec URL")
     args = parser.parse_args(argv)
-    store = Store(args.dir)
+    try:
+        store = Store(args.dir)
+    except StoreUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not store.fs.isdir(store.root):
         print(f"error: {args.dir} is not a directory", file=sys.stderr)
         return 2

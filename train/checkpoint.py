@@ -40,10 +40,13 @@ def build_manager(cfg: DictConfig, world: World,
         options = CheckpointOptions(dir=ck.dir, staging_dir=ck.staging_dir,
                                     async_mode=ck.async_mode.value, keep_last=ck.keep_last,
                                     commit_timeout_s=ck.commit_timeout_s)
-    except ValueError as err:
+        manager = CheckpointManager(options, world.rank, world.world_size,
+                                    world.checkpoint_group, fault_hook=faults.save_hook(),
+                                    local_rank=world.local_rank)
+    except ValueError as err:  # also a checkpoint.dir URL that fsspec cannot open
         raise ConfigError(str(err)) from None
-    return CheckpointManager(options, world.rank, world.world_size, world.checkpoint_group,
-                             fault_hook=faults.save_hook(), local_rank=world.local_rank)
+    manager.check_storage()
+    return manager
 
 
 def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[str, Any],
