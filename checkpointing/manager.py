@@ -457,9 +457,8 @@ class CheckpointManager:
                     if i == 0:
                         check_header()
             except CheckpointException as err:
-                failure = next(iter(err.failures.values()))
-                cause = str(getattr(failure, "exception", failure)).splitlines()[0]
-                log.warning("checkpoint %s failed to load (%s): skipping it", source, cause)
+                log.warning("checkpoint %s failed to load (%s): skipping it", source,
+                            one_line(err))
                 continue
             log.info("resumed from %s (step %d, saved at world size %d) in %.1fs", source,
                      step, saved_world, time.perf_counter() - start)
