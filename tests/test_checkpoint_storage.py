@@ -18,8 +18,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from checkpointing import export, manager as manager_module, verify
 from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
+from checkpointing.storage import Store
 from conftest import run_train, tiny_overrides
-from test_checkpoint import Job
+from test_checkpoint import Job, load_into_fresh, manager, same, two_checkpoints
 
 BIG = 1 << 20  # floats: a 4.2 MB tensor, so sizes show in the messages' MB
 
@@ -147,3 +148,21 @@ def test_other_save_failures_are_one_line_too(tmp_path, monkeypatch):
         mgr.close()
     assert str(final.value) == ("the final checkpoint (step 1) failed: PermissionError: "
                                 "[Errno 13] Permission denied: '/x/y'")
+
+
+def test_a_checkpoint_that_cannot_be_read_is_skipped_with_one_line(tmp_path, monkeypatch,
+                                                                  caplog):
+    """An I/O error that outlasts the store's retries (a dying disk, a lost mount) makes
+    that checkpoint unusable, not the resume: the next older one is loaded."""
+    root, first = two_checkpoints(tmp_path)
+    read = Store.read_bytes
+
+    def failing(self, path):
+        if "step_000000002" in path:
+            raise OSError(errno.EIO, "Input/output error", path)
+        return read(self, path)
+    monkeypatch.setattr(Store, "read_bytes", failing)
+    with caplog.at_level(logging.WARNING):
+        step, loaded = load_into_fresh(manager(root))
+    assert step == 1 and same(loaded, first)
+    assert len(caplog.records) == 1 and "Input/output error" in caplog.records[0].getMessage()
