@@ -2,9 +2,12 @@
 
 DCP reads `.metadata` with a plain `pickle.load` and every non-tensor item with
 `torch.load(weights_only=False)`: a planted file in a checkpoint directory would execute on
-resume. Here `.metadata` goes through an unpickler that admits only DCP's own metadata types,
-and non-tensor items through `torch.load(weights_only=True)` (plain data only: numbers,
-strings, lists, dicts, tuples, tensors). Tensors already load with `weights_only=True`.
+resume. Here `.metadata` goes through an unpickler that admits an exact list of (module,
+name) pairs, DCP's own metadata types and a few torch values, and never imports anything
+(no dotted names, no import helpers, no persistent ids); non-tensor items go through
+`torch.load(weights_only=True)` (plain data only: numbers, strings, lists, dicts, tuples,
+tensors). Tensors already load with `weights_only=True`. A file refused here makes its
+checkpoint incomplete: resume uses an older one, `verify` reports it, `export` refuses it.
 """
 
 from __future__ import annotations

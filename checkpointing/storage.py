@@ -116,11 +116,15 @@ class Store:
             self.fs.pipe_file(path, data)  # object stores commit a PUT atomically
             return
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:  # e.g. a full disk: leave nothing behind
+            Path(tmp).unlink(missing_ok=True)
+            raise
         _fsync_dir(os.path.dirname(path))
 
     def check_writable(self) -> None:

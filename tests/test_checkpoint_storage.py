@@ -166,3 +166,14 @@ def test_a_checkpoint_that_cannot_be_read_is_skipped_with_one_line(tmp_path, mon
         step, loaded = load_into_fresh(manager(root))
     assert step == 1 and same(loaded, first)
     assert len(caplog.records) == 1 and "Input/output error" in caplog.records[0].getMessage()
+
+
+def test_a_small_file_that_does_not_fit_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Markers and the start-up probe are written by temp + rename: a full disk must not
+    leave the temp file taking room (it would never be cleaned)."""
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr("checkpointing.storage.os.fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        Store(str(tmp_path)).check_writable()
+    assert os.listdir(tmp_path) == []
