@@ -134,17 +134,20 @@ class VolumeLoader(DataLoader):
         # not come from the global RNG, or resuming (which restores it) would shift it.
         super().__init__(dataset, batch_sampler=batches, num_workers=workers,
                          collate_fn=collate_samples, pin_memory=pin_memory,
-                         worker_init_fn=ignore_stop_signals,
+                         worker_init_fn=leave_the_process_group,
                          generator=torch.Generator().manual_seed(0), **extra)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """torchrun sends SIGTERM to a rank's whole process group, and Ctrl-C's SIGINT reaches the
-    terminal's: a worker that died of it would fail the loader in the middle of the step the
-    main process is finishing before it saves. The main process alone decides when to stop,
-    and its workers end with it."""
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
+def leave_the_process_group(worker_id: int) -> None:
+    """torchrun signals a rank's whole process group (SIGTERM, on preemption), a terminal
+    its foreground group (Ctrl-C): a worker that died of it would fail the loader in the
+    middle of the step the main process finishes before it saves. In a group of its own a
+    worker hears neither; it ends when the loader shuts it down, or by itself once its parent
+    is gone. The parent's signal handlers, inherited through fork, go back to the defaults
+    that multiprocessing's own shutdown (SIGTERM) relies on."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def eval_batches(dataset_size: int, batch_size: int, rank: int = 0,

@@ -83,7 +83,8 @@ def test_torchrun_agent_signalled_all_ranks_stop_at_one_step(tiny_root, tmp_path
     different points of a step: they agree on one step, save it, and the rerun ends with
     the bits of a run that was never stopped."""
     ledger = tmp_path / "ledger.jsonl"
-    args = train_args(tiny_root, tmp_path, NO_PERIODIC_SAVES)
+    # With a loader worker per rank: torchrun signals each rank's whole process group.
+    args = train_args(tiny_root, tmp_path, NO_PERIODIC_SAVES, "data.num_workers=1")
     proc = launch(torchrun(2), args)
     wait_for(lambda: len(ledger_records(ledger)) >= 4, "two steps on two ranks", proc=proc)
     proc.send_signal(signal.SIGTERM)
