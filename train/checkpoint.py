@@ -127,7 +127,7 @@ class CheckpointSchedule:
     and always at the final step."""
 
     def __init__(self, cfg: DictConfig, start_step: int) -> None:
-        self.interval = max(1, cfg.checkpoint.interval_steps)
+        self.interval = cfg.checkpoint.interval_steps  # >= 1: the schema's bounds
         self.auto = cfg.checkpoint.auto_interval
         self.mtbf_seconds = cfg.checkpoint.mtbf_hours * 3600
         self.last_save_step = start_step  # a resumed run is at a checkpoint already
