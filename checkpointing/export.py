@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -37,6 +37,7 @@ from checkpointing import commit
 from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store, StoreUnavailable
+from common.files import atomic_file
 
 MODEL_KEY = "model"
 
@@ -111,15 +112,11 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
 def write(state: Dict[str, torch.Tensor], out: Path, step: int) -> None:
     """Whole or not at all: a failed export never leaves a truncated OUT behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_file(out) as f:
         if out.suffix == ".safetensors":
-            save_file(state, str(tmp), metadata={"format": "pt", "step": str(step)})
+            f.write(safetensors_bytes(state, metadata={"format": "pt", "step": str(step)}))
         else:
-            torch.save(state, tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+            torch.save(state, f)
 
 
 def export(ckpt: str, out: Path) -> Tuple[str, int]:

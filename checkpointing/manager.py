@@ -10,7 +10,6 @@ See `checkpointing.commit` for what "complete" means.
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import shutil
 import tempfile
@@ -33,8 +32,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from checkpointing import commit
 from checkpointing.commit import FileRecord
 from checkpointing.safe_load import METADATA_FILE, SafeLoadPlanner, safe_reader
-from checkpointing.storage import CHUNK, Store
+from checkpointing.storage import Store
 from checkpointing.verify import listed_files
+from common.distributed import broadcast_object
+from common.files import CHUNK, sha256_of
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +114,8 @@ class _Writer(FileSystemWriter):
 
 
 def _hash_file(path: Path) -> FileRecord:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return FileRecord(path.stat().st_size, digest.hexdigest())
+        return FileRecord(path.stat().st_size, sha256_of(f))
 
 
 class CheckpointManager:
@@ -152,11 +150,7 @@ class CheckpointManager:
     # ---- collectives (a dedicated group, so they never interleave with training's) ----
 
     def _broadcast(self, obj: Any) -> Any:
-        if self.group is None or self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return obj if self.group is None else broadcast_object(obj, self.group)
 
     def _all_true(self, flag: bool) -> bool:
         if self.group is None or self.world_size == 1:

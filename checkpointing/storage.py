@@ -7,11 +7,9 @@ are written by temp + rename, and a rename is followed by an fsync of the parent
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import stat
-import time
 import uuid
 from pathlib import Path
 from typing import Callable, List, TypeVar
@@ -19,7 +17,9 @@ from typing import Callable, List, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-CHUNK = 4 << 20
+from common.files import CHUNK, atomic_write, fsync_dir, sha256_of
+from common.retry import retry
+
 # Network mounts report some conditions as errors that pass: rclone's write-back cache, for
 # one, answers EIO for a file whose upload is still pending after its directory was renamed.
 TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
@@ -29,24 +29,8 @@ T = TypeVar("T")
 
 def _retrying(read: Callable[[], T]) -> T:
     """Run a read, retrying transient errors with exponential backoff (~25 s in all)."""
-    for attempt in range(READ_ATTEMPTS):
-        try:
-            return read()
-        except OSError as err:
-            if err.errno not in TRANSIENT_ERRNOS or attempt == READ_ATTEMPTS - 1:
-                raise
-            time.sleep(0.2 * 2 ** attempt)
-    raise AssertionError("unreachable")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some FUSE mounts do not implement fsync on directories
-        pass
-    finally:
-        os.close(fd)
+    return retry(read, READ_ATTEMPTS, 0.2,
+                 lambda err: isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS)
 
 
 class StoreUnavailable(ValueError):
@@ -99,11 +83,8 @@ class Store:
 
     def sha256(self, path: str) -> str:
         def read() -> str:
-            digest = hashlib.sha256()
             with self.fs.open(path, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-            return digest.hexdigest()
+                return sha256_of(f)
 
         return _retrying(read)
 
@@ -115,17 +96,7 @@ class Store:
         if not self.is_local:
             self.fs.pipe_file(path, data)  # object stores commit a PUT atomically
             return
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError:  # e.g. a full disk: leave nothing behind
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(os.path.dirname(path))
+        atomic_write(path, data)
 
     def check_writable(self) -> None:
         """Create the root if missing, then write, fsync and remove a probe file in it, as a
@@ -148,7 +119,7 @@ class Store:
     def rename(self, src: str, dst: str) -> None:
         if self.is_local:
             os.rename(src, dst)
-            _fsync_dir(os.path.dirname(dst))
+            fsync_dir(os.path.dirname(dst))
         else:
             self.fs.mv(src, dst, recursive=True)
 

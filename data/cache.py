@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Set, Tuple, Union
 
+from common.processes import pid_alive
+
 log = logging.getLogger(__name__)
 
 FOOTER = struct.Struct("<8sQI")  # magic, payload length, crc32 of the payload
@@ -51,17 +53,6 @@ class Lookup:
 def cache_key(url: str, size: int) -> str:
     # The size is part of the key, so a file replaced on the volume is not served stale.
     return hashlib.sha1(f"{url}\0{size}".encode()).hexdigest()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid lives on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class NodeCache:

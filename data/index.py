@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from common.files import atomic_file
 from data.decode import IMAGE_SUFFIXES
 from data.errors import DatasetError
 from data.redact import strip_credentials
@@ -59,15 +60,10 @@ class DatasetIndex:
     def save(self, path: Path) -> None:
         """Atomically (temporary file + rename), so a reader never sees half an index."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(f, url=np.array(self.url), classes=np.array(self.classes, dtype=str),
-                         names=self.names, offsets=self.offsets, labels=self.labels,
-                         sizes=self.sizes, left_out=np.array(self.left_out))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_file(path) as f:
+            np.savez(f, url=np.array(self.url), classes=np.array(self.classes, dtype=str),
+                     names=self.names, offsets=self.offsets, labels=self.labels,
+                     sizes=self.sizes, left_out=np.array(self.left_out))
 
     @classmethod
     def load(cls, path: Path) -> "DatasetIndex":

@@ -6,27 +6,20 @@ CI logs and files stay readable because nothing animates when stdout is not a te
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from common.progress import is_interactive, progress_bar
+
 log = logging.getLogger(__name__)
-
-
-def is_interactive() -> bool:
-    return sys.stdout.isatty()
 
 
 @contextmanager
 def task_progress(description: str, total: int) -> Iterator[Callable[[int, int], None]]:
     """Yields `update(done, total)`; draws a bar, or logs every ~10% when not a terminal."""
     if is_interactive():
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
-
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TimeRemainingColumn()) as bar:
+        with progress_bar("{task.description}") as bar:
             task = bar.add_task(description, total=total)
             yield lambda done, total: bar.update(task, completed=done, total=total)
         return

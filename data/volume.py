@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
 import urllib.parse
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,6 +21,7 @@ from typing import Any, Callable, Dict, List, Tuple, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from common.retry import retry
 import data.slowfs  # noqa: F401  registers slow:// (a simulated remote volume)
 from data.errors import DatasetError
 from data.redact import strip_credentials
@@ -43,6 +43,10 @@ def _transient_errors() -> Tuple[type, ...]:
 
 
 TRANSIENT_ERRORS = _transient_errors()
+
+
+def _is_transient(err: Exception) -> bool:
+    return isinstance(err, TRANSIENT_ERRORS) and not isinstance(err, PERMANENT_ERRORS)
 
 
 def fsspec_target(url: str) -> Tuple[str, Dict[str, Any]]:
@@ -106,20 +110,16 @@ class Volume:
 
     def with_retries(self, what: str, action: Callable[[], T]) -> T:
         """`action()`, retried with backoff on transient errors; permanent ones propagate."""
-        for attempt in range(self.retries + 1):
-            try:
-                return action()
-            except PERMANENT_ERRORS:
-                raise
-            except TRANSIENT_ERRORS as err:
-                if attempt == self.retries:
-                    raise DatasetError(
-                        f"{what} failed {self.retries + 1} times (last error: "
-                        f"{type(err).__name__}: {err}): check that data.root "
-                        f"{strip_credentials(self.url)} is reachable, or raise "
-                        f"data.read_retries") from err
-                time.sleep(self.backoff_seconds * 2 ** attempt)
-        raise AssertionError("unreachable")
+        try:
+            return retry(action, self.retries + 1, self.backoff_seconds, _is_transient)
+        except PERMANENT_ERRORS:
+            raise
+        except TRANSIENT_ERRORS as err:
+            raise DatasetError(
+                f"{what} failed {self.retries + 1} times (last error: "
+                f"{type(err).__name__}: {err}): check that data.root "
+                f"{strip_credentials(self.url)} is reachable, or raise "
+                f"data.read_retries") from err
 
     def read(self, relative: str) -> bytes:
         """The bytes of one file; BadFileError when it is gone or unreadable."""

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from checkpointing.manager import CheckpointError
+from common.distributed import broadcast_object
 from data.errors import DatasetError
 from data.redact import strip_credentials
 from data.loader import eval_batches
@@ -23,8 +24,7 @@ from train import PROCESS_START
 from train.checkpoint import (CheckpointSchedule, Checkpointing, build_manager, resume,
                               training_config)
 from train.config import Device, Precision, StrategyName
-from train.distributed import (World, broadcast_object, init_world, launched_by_torchrun,
-                               shutdown_world)
+from train.distributed import World, init_world, launched_by_torchrun, shutdown_world
 from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
                           PreflightError, TrainingError)
 from train.faults import Faults, omitted_state_keys
@@ -125,7 +125,8 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     health = HealthMonitor(cfg.health, state["health"], world.rank, run_dir,
                            replicated=cfg.strategy.name == StrategyName.ddp)
     health.load_skips()
-    state["health"].skipped = set(broadcast_object(sorted(state["health"].skipped), world))
+    state["health"].skipped = set(broadcast_object(sorted(state["health"].skipped),
+                                                   world.checkpoint_group))
 
     pin = device.type == "cuda"
 
@@ -147,7 +148,8 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
                  "trainer.max_epochs or trainer.max_steps to go on)", cfg.run.name,
                  progress.step)
     with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:
-        info.mlflow_run_id = broadcast_object(run_id, world)  # every rank saves the same
+        # every rank saves the same
+        info.mlflow_run_id = broadcast_object(run_id, world.checkpoint_group)
         goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)
         metrics = fit(model, optimizer, scheduler, train_loader_at, val_loader, loop_plan,
                       progress, guard, goodput, checkpoints, tracker)

@@ -14,7 +14,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,15 +127,6 @@ def agree_round_key(store: dist.Store, rank: int, world_size: int, timeout_s: fl
                                    f"{timeout_s:.0f}s (strategy.init_timeout_seconds)")
             time.sleep(0.02)
     return key
-
-
-def broadcast_object(obj: Any, world: World) -> Any:
-    """Rank 0's `obj` on every rank."""
-    if world.world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=world.checkpoint_group)
-    return box[0]
 
 
 def shutdown_world() -> None:

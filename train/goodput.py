@@ -15,10 +15,11 @@ someone runs the command again counts for nothing.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Dict, Optional
+
+from common.files import atomic_write
 
 PARTS = ("compute", "data_wait", "checkpoint_stall", "restore", "lost")
 
@@ -90,11 +91,9 @@ class Goodput:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seconds": self.seconds, "reached": self.reached,
-                                   "counted_steps": self.counted_steps,
-                                   "saved_at": time.time(), "ended": ended}))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps({"seconds": self.seconds, "reached": self.reached,
+                                            "counted_steps": self.counted_steps,
+                                            "saved_at": time.time(), "ended": ended}).encode())
 
     def summary(self) -> str:
         parts = ", ".join(f"{p.replace('_', ' ')} {s:.1f}s" for p, s in self.seconds.items())

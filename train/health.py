@@ -16,7 +16,6 @@ import faulthandler
 import json
 import logging
 import math
-import os
 import statistics
 import sys
 from collections import deque
@@ -27,6 +26,7 @@ from typing import Any, Deque, Dict, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from common.files import atomic_write
 from train.config import HealthConfig
 from train.errors import TrainingError
 from train.faults import Faults
@@ -128,10 +128,9 @@ class HealthMonitor:
         """Skip `step`'s global batch from now on (and after any restart)."""
         self.state.skipped.add(step)
         if self.rank == 0:
-            tmp = self.skips_file.with_suffix(".tmp")
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"skipped": sorted(self.state.skipped)}))
-            os.replace(tmp, self.skips_file)
+            self.skips_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.skips_file,
+                         json.dumps({"skipped": sorted(self.state.skipped)}).encode())
 
     def skipped(self, step: int) -> bool:
         return step in self.state.skipped

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Dict, Optional
 
-from data.progress import is_interactive
+from common.progress import is_interactive, progress_bar
 from train.tracking import describe
 
 log = logging.getLogger(__name__)
@@ -19,12 +19,7 @@ class StepProgress:
         self.next_report = start_step
         self.bar = None
         if is_interactive():
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
-
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[stats]}"), TimeElapsedColumn(),
-                                TimeRemainingColumn())
+            self.bar = progress_bar("train", "{task.fields[stats]}")
             self.task = self.bar.add_task("train", total=total_steps, completed=start_step,
                                           stats="")
 

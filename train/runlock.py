@@ -38,8 +38,9 @@ from typing import Iterator, List, Optional
 
 import torch.distributed as dist
 
-from data.cache import pid_alive
-from train.distributed import World, broadcast_object
+from common.distributed import broadcast_object
+from common.processes import pid_alive
+from train.distributed import World
 from train.errors import ConfigError
 from train.launch import mark_latest_record
 
@@ -122,7 +123,7 @@ def hold_run_lock(run_dir: Path, run_name: str, world: World) -> Iterator[None]:
     held = False
     try:
         refusal = _take(fd, path, run_name, workers) if world.rank == 0 else None
-        refusal = broadcast_object(refusal, world)
+        refusal = broadcast_object(refusal, world.checkpoint_group)
         if refusal:
             raise RunLocked(refusal)
         if world.rank != 0:

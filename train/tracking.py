@@ -12,9 +12,10 @@ from typing import Any, Deque, Dict, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from common.distributed import broadcast_object
 from data.redact import strip_credentials
 from train.config import LoggerConfig, LoggerName
-from train.distributed import World, broadcast_object
+from train.distributed import World
 from train.errors import ConfigError
 from train.preemption import Preempted
 
@@ -214,7 +215,7 @@ def start_tracker(cfg: LoggerConfig, world: World) -> NullTracker | MLflowTracke
     store that cannot be used ends all of them with one line instead of leaving the others
     waiting for rank 0 in a later collective."""
     tracker = build_tracker(cfg, world.rank)
-    problem = broadcast_object(tracker.check(), world)
+    problem = broadcast_object(tracker.check(), world.checkpoint_group)
     if problem:
         raise ConfigError(problem)
     return tracker

@@ -1,0 +1,64 @@
+"""Writing a file whole or not at all, durably, and hashing one.
+
+One durability rule for every file the trainer replaces: the new content goes to a temp
+file in the same directory (so the rename cannot cross filesystems), which is fsynced, then
+renamed over the target, and then the directory is fsynced so the rename itself survives a
+power loss. A reader sees the old content or the new, never half of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator, Union
+
+CHUNK = 4 << 20
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Make a rename or creation in directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some FUSE mounts do not implement fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_file(path: PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write `path`'s new content to. When the block ends normally, the
+    content replaces `path` (see the module docstring); when it raises, `path` is untouched
+    and the temp file is removed, so e.g. a full disk leaves nothing taking room."""
+    path = Path(path)
+    # pid and thread: two writers of one path never share a temp file
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write(path: PathLike, data: bytes) -> None:
+    """Replace `path`'s content with `data`, whole or not at all (`atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+def sha256_of(f: BinaryIO) -> str:
+    """The hex sha256 of what is left to read in `f`, read in chunks."""
+    digest = hashlib.sha256()
+    while chunk := f.read(CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
