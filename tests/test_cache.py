@@ -17,11 +17,11 @@ from typing import List
 import pytest
 import torch
 
-from conftest import REPO
 from data import synthetic
 from data.cache import FOOTER, NodeCache
 from data.pipeline import open_dataset
 from data.volume import Volume
+from support.runs import REPO
 
 # One rank: read every train sample `passes` times through the cache with 2 workers and the
 # prefetcher, in the same order as the other rank, so they contend for every file.

@@ -5,26 +5,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from checkpointing import commit
 from checkpointing.storage import Store
-from conftest import REPO
+from support.launch import run, torchrun
+from support.runs import REPO
 
 WORKER = REPO / "tests" / "workers" / "checkpoint_worker.py"
 
 
-def torchrun(ranks: int, mode: str, ckpt: Path, out: Path) -> list:
+def run_worker(ranks: int, mode: str, ckpt: Path, out: Path) -> list:
+    """tests/workers/checkpoint_worker.py under torchrun; each rank's report."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", str(WORKER), mode, str(ckpt), str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    result = run(torchrun(ranks), [str(WORKER), mode, str(ckpt), str(out)], timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
@@ -32,7 +28,7 @@ def torchrun(ranks: int, mode: str, ckpt: Path, out: Path) -> list:
 @pytest.fixture(scope="module")
 def saved_at_two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("multirank")
-    reports = torchrun(2, "save", root / "ckpt", root / "save")
+    reports = run_worker(2, "save", root / "ckpt", root / "save")
     return root, reports
 
 
@@ -55,13 +51,14 @@ def test_two_ranks_commit_one_checkpoint_with_a_marker_each(saved_at_two_ranks):
 def test_a_checkpoint_saved_at_two_ranks_loads_at_any_world_size(saved_at_two_ranks, tmp_path,
                                                                   ranks):
     root, saved = saved_at_two_ranks
-    loaded = torchrun(ranks, "load", root / "ckpt", tmp_path)
+    loaded = run_worker(ranks, "load", root / "ckpt", tmp_path)
     for report in loaded:
         assert report["step"] == 7
         for key in ("weight_sum", "running_mean", "exp_avg_sum"):
             assert report[key] == saved[0][key], key  # ...a load sees rank 0's
     draws = [r["next_random"] for r in loaded]
+    saved_draws = [r["next_random"] for r in saved]
     if ranks == 2:  # same world size: each rank continues its own saved RNG stream
-        assert draws == [r["next_random"] for r in saved]
-    else:  # the streams do not map onto ranks: they are left out of the load
-        assert draws != [r["next_random"] for r in saved[:ranks]]
+        assert draws == saved_draws
+    else:  # the streams do not map onto ranks: they are left out, no rank continues one
+        assert not [d for d in draws if d in saved_draws], (draws, saved_draws)

@@ -19,8 +19,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from checkpointing import export, manager as manager_module, verify
 from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
-from conftest import run_train, tiny_overrides
-from test_checkpoint import Job, load_into_fresh, manager, same, two_checkpoints
+from support.launch import run_train
+from support.runs import tiny_overrides
+from support.tiny_job import Job, load_into_fresh, manager, same, two_checkpoints
 
 BIG = 1 << 20  # floats: a 4.2 MB tensor, so sizes show in the messages' MB
 

@@ -13,8 +13,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict
 
@@ -26,7 +24,9 @@ from safetensors.torch import load_file
 
 from checkpointing import export, verify
 from checkpointing.manager import CheckpointManager, CheckpointOptions
-from conftest import REPO, run_train, tiny_overrides
+from support.checkpoints import flip_byte
+from support.launch import PYTHON, run, run_train
+from support.runs import tiny_overrides
 from train.state import ModelState, OptimizerState, Progress, RNGState
 
 STEP_2, STEP_4 = "step_000000002", "step_000000004"
@@ -79,20 +79,6 @@ def ckpt_dir(trained, tmp_path: Path) -> Path:
     return Path(shutil.copytree(trained[0], tmp_path / "checkpoints"))
 
 
-def flip_byte(path: Path, offset: int = 4096) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
-def run_cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True,
-                          text=True, timeout=120)
-
-
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_export_reproduces_the_models_logits(trained, tmp_path, suffix):
     root, weights = trained
@@ -127,7 +113,7 @@ def test_verify_reports_each_checkpoint_and_finds_a_flipped_byte(ckpt_dir, capsy
 
 
 def test_verify_of_a_missing_directory_is_a_one_line_error(tmp_path):
-    result = run_cli("checkpointing.verify", str(tmp_path / "nowhere"))
+    result = run(PYTHON, ["-m", "checkpointing.verify", str(tmp_path / "nowhere")])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {tmp_path / 'nowhere'} is not a "
                                                   f"directory"]
@@ -136,7 +122,7 @@ def test_verify_of_a_missing_directory_is_a_one_line_error(tmp_path):
 def test_export_refuses_a_damaged_checkpoint(ckpt_dir, tmp_path):
     flip_byte(ckpt_dir / STEP_4 / "__0_0.distcp")
     out = tmp_path / "model.pt"
-    result = run_cli("checkpointing.export", str(ckpt_dir / STEP_4), str(out))
+    result = run(PYTHON, ["-m", "checkpointing.export", str(ckpt_dir / STEP_4), str(out)])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: {ckpt_dir / STEP_4} is incomplete: __0_0.distcp does not match its checksum "

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_train, tiny_overrides
+from support.launch import run_train
+from support.runs import tiny_overrides
 
 
 def mlflow_runs(db: Path):

@@ -13,9 +13,10 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import CONF, compose_config, run_train, tiny_overrides
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
+from support.launch import run_train
+from support.runs import CONF, compose_config, tiny_overrides
 from train.config import Bounds, Config, validate
 from train.errors import ConfigError
 from train.model import build_model
@@ -135,7 +136,7 @@ def just_outside(bounds: Bounds, integer: bool) -> list:
 
 def test_every_numeric_key_refuses_values_outside_its_bounds_and_non_finite_floats():
     cfg = compose_config(["+experiment=resnet"])
-    validate(cfg)  # the defaults are in range
+    validate(cfg)  # the composed config (schema defaults, then the YAMLs) is in range
     cases = 0
     for key, spec, kind in schema_fields():
         if "bounds" not in spec.metadata:
@@ -156,6 +157,21 @@ def test_every_numeric_key_refuses_values_outside_its_bounds_and_non_finite_floa
                     validate(changed)
             cases += 1
     assert cases > 80
+
+
+def test_every_schema_default_is_in_range():
+    """The schema's own defaults, not the composed config: a YAML that sets a key hides
+    its default from `validate`, until the YAML stops setting it."""
+    wrong = []
+    for key, spec, kind in schema_fields():
+        if "bounds" not in spec.metadata:
+            continue
+        default = (spec.default if spec.default is not dataclasses.MISSING
+                   else spec.default_factory())
+        values = default if isinstance(default, list) else [default]
+        if not all(v is None or spec.metadata["bounds"].allows(v) for v in values):
+            wrong.append(f"{key}={default}")
+    assert wrong == []
 
 
 @pytest.mark.parametrize("override", list(group_options()))

@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 
-from faultlib import ledger_records, run_job, train_args
+from support.launch import run_job
+from support.ledger import ledger_records
+from support.runs import train_args
 from train.config import HealthConfig
 from train.errors import ConfigError, TrainingError
 from train.faults import Faults, parse

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
+import time
 from contextlib import suppress
 from pathlib import Path
 
@@ -15,13 +15,13 @@ from hydra.core.hydra_config import HydraConfig
 
 from checkpointing import commit
 from checkpointing.storage import Store
-from conftest import compose_config, free_port, torchrun
-from faultlib import (FINAL, finish, launch, ledger_records, run_job, train_args,
-                      wait_for, worker_pids)
-from test_resume import assert_same_contents, checkpoint_contents
+from support.checkpoints import (assert_matches_reference, assert_same_contents,
+                                 checkpoint_contents, complete_now)
+from support.launch import (PYTHON, finish, free_port, launch, run_job, torchrun, wait_for,
+                            worker_pids)
+from support.ledger import assert_resumed, ledger_records
+from support.runs import FINAL, compose_config, train_args
 from train.launch import LAUNCH_ID, mark_latest_record
-
-PYTHON = [sys.executable]
 
 
 @pytest.mark.parametrize("rank, record, job", [("0", True, "train"),
@@ -147,10 +147,11 @@ def test_killing_only_the_agent_leaves_orphans_that_keep_the_run_locked(tiny_roo
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not worker_pids(tmp_path), "the orphans to be gone")
+    since, committed = time.time(), complete_now(ckpts)
     out = run_job(torchrun(2), args)
-    assert f"taking over from pid {workers[0]} on" in out and "resumed from" in out
-    assert_same_contents(checkpoint_contents(tmp_path / "r" / "checkpoints" / FINAL),
-                         ddp_reference["contents"])
+    assert f"taking over from pid {workers[0]} on" in out
+    assert_resumed(tmp_path / "ledger.jsonl", since, committed)
+    assert_matches_reference(tmp_path, ddp_reference)
 
 
 def test_the_latest_link_moves_to_this_launchs_record_or_warns(tmp_path, monkeypatch, caplog):

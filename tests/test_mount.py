@@ -4,32 +4,18 @@ http:// URL served by a local HTTP server. The servers' own request logs are the
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterator, List
+from typing import Iterator, List
 
 import pytest
 
-from conftest import free_port, rclone_mount, run_train, tiny_overrides
 from data.ledger import read_ledger
-
-
-def wait_until(ready: Callable[[], bool], what: str, deadline_s: float = 30) -> None:
-    """Poll for a server to come up (a start-up wait, not an assertion about speed)."""
-    end = time.monotonic() + deadline_s
-    while not ready():
-        if time.monotonic() > end:
-            raise RuntimeError(f"{what} did not come up in {deadline_s}s")
-        time.sleep(0.05)
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+from support.launch import free_port, port_open, run_train, wait_for
+from support.mount import rclone_mount
+from support.runs import tiny_overrides
 
 
 @pytest.fixture
@@ -60,6 +46,7 @@ def train_from(root: str, tmp_path: Path, *extra: str, logger: str = "logger=non
 WEBDAV_GET = r"INFO  : (/\S+\.jpg): GET from"
 
 
+@pytest.mark.mount
 def test_training_from_a_fuse_mount_reads_each_file_from_the_server_once(
         webdav_mount, tiny_root, tmp_path):
     mnt, log = webdav_mount
@@ -82,7 +69,7 @@ def http_server(tiny_root: Path, tmp_path: Path) -> Iterator[tuple]:
                                    "127.0.0.1", "--directory", str(tiny_root)],
                                   stdout=subprocess.DEVNULL, stderr=err)
     try:
-        wait_until(lambda: port_open(port), "http.server")
+        wait_for(lambda: port_open(port), "http.server", timeout=30, proc=server)
         yield f"http://127.0.0.1:{port}", log
     finally:
         server.terminate()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -17,7 +16,8 @@ import pytest
 import torch
 
 from checkpointing.export import load_model_state
-from conftest import REPO, tiny_overrides, torchrun, train_env
+from support.launch import PYTHON, run, torchrun
+from support.runs import tiny_overrides
 from train.config import ModelConfig
 from train.model import build_model
 
@@ -28,11 +28,9 @@ STEP_4 = "checkpoints/step_000000004"
 def train(nproc: int, root: Path, data: Path, name: str, *overrides: str,
           check: bool = True) -> subprocess.CompletedProcess:
     """A run `name` under `root`: one process when nproc is 0, else torchrun with nproc."""
-    launcher = torchrun(nproc) if nproc else [sys.executable]
-    args = [*launcher, "-m", "train", *tiny_overrides(data), "logger=none",
-            "trainer.device=cpu", f"run.root={root}", f"run.name={name}", *overrides]
-    done = subprocess.run(args, cwd=REPO, env=train_env(), capture_output=True, text=True,
-                          timeout=300)
+    done = run(torchrun(nproc) if nproc else PYTHON,
+               ["-m", "train", *tiny_overrides(data), "logger=none", "trainer.device=cpu",
+                f"run.root={root}", f"run.name={name}", *overrides])
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

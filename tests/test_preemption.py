@@ -10,32 +10,34 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from collections import Counter
+import time
 from pathlib import Path
 
 import pytest
 
 from checkpointing import commit
 from checkpointing.storage import Store
-from conftest import REPO, torchrun, train_env
-from faultlib import (assert_exactly_once, finish, launch, ledger_records, run_job,
-                      train_args, wait_for, worker_pids)
-from test_fault_tolerance import assert_matches_reference
+from support.checkpoints import assert_matches_reference, complete_now
+from support.launch import PYTHON, finish, launch, run, run_job, torchrun, wait_for, worker_pids
+from support.ledger import (RestartWatch, assert_exactly_once, assert_resumed, ledger_records,
+                            recorded_steps)
+from support.runs import REPO, train_args
 
 EXIT_PREEMPTED = 75
 # A long interval: without the preemption save, a stopped run would have no checkpoint.
 NO_PERIODIC_SAVES = "checkpoint.interval_steps=1000"
 
 
-def recorded_steps(ledger: Path) -> Counter:
-    """How often each (step, rank) was recorded: 2 means the step was done again."""
-    return Counter((r["step"], r["rank"]) for r in ledger_records(ledger))
-
-
 def committed(run_root: Path) -> list:
     return commit.committed_steps(Store(str(run_root / "r" / "checkpoints")))
+
+
+def rerun_resumes_at(run_root: Path, prefix: list, args: list, stopped: int) -> None:
+    """The same command again resumes from the step the run stopped at, on every rank."""
+    since = time.time()
+    committed_then = complete_now(Store(str(run_root / "r" / "checkpoints")))
+    run_job(prefix, args)
+    assert assert_resumed(run_root / "ledger.jsonl", since, committed_then) == stopped
 
 
 def assert_stopped_at_a_commit(out: str, run_root: Path) -> int:
@@ -64,14 +66,14 @@ def test_signal_saves_then_the_rerun_redoes_nothing(tiny_root, tmp_path, signum,
     ledger = tmp_path / "ledger.jsonl"
     args = train_args(tiny_root, tmp_path, NO_PERIODIC_SAVES, f"data.num_workers={workers}",
                       strategy="single")
-    proc = launch([sys.executable], args)
+    proc = launch(PYTHON, args)
     wait_for(lambda: len(ledger_records(ledger)) >= 2, "two steps", proc=proc)
     (os.killpg if whole_group else os.kill)(proc.pid, signum)
     out = finish(proc)
     assert proc.returncode == EXIT_PREEMPTED, f"exit {proc.returncode}:\n{out[-3000:]}"
     stopped = assert_stopped_at_a_commit(out, tmp_path)
 
-    run_job([sys.executable], args)  # the same command resumes and finishes
+    rerun_resumes_at(tmp_path, PYTHON, args, stopped)
     assert_exactly_once(ledger)
     redone = [key for key, n in recorded_steps(ledger).items() if n > 1]
     assert redone == [], f"stopped at {stopped}, then redid {redone}"
@@ -94,7 +96,7 @@ def test_torchrun_agent_signalled_all_ranks_stop_at_one_step(tiny_root, tmp_path
     stopped = assert_stopped_at_a_commit(out, tmp_path)
     assert {r["rank"] for r in ledger_records(ledger) if r["step"] == stopped} == {0, 1}
 
-    run_job(torchrun(2), args)
+    rerun_resumes_at(tmp_path, torchrun(2), args, stopped)
     assert_matches_reference(tmp_path, ddp_reference)
     assert [k for k, n in recorded_steps(ledger).items() if n > 1] == []
 
@@ -107,12 +109,14 @@ def test_a_signal_to_one_rank_stops_the_group_at_a_checkpoint(tiny_root, tmp_pat
     proc = launch(torchrun(2, max_restarts=1), train_args(tiny_root, tmp_path,
                                                           NO_PERIODIC_SAVES,
                                                           "health.enabled=false"))
-    wait_for(lambda: len(ledger_records(ledger)) >= 4, "two steps on two ranks", proc=proc)
-    pids = worker_pids(tmp_path)
-    os.kill(pids[1], signal.SIGTERM)
-    out = finish(proc)
+    with RestartWatch(tmp_path) as watch:
+        wait_for(lambda: len(ledger_records(ledger)) >= 4, "two steps on two ranks", proc=proc)
+        pids = worker_pids(tmp_path)
+        os.kill(pids[1], signal.SIGTERM)
+        out = finish(proc)
     assert proc.returncode == 0, out[-8000:]
     assert "preempted by a signal to another rank" in out, out[-8000:]
+    assert len(watch.assert_every_restart_resumed(ledger)) == 1
     assert_exactly_once(ledger)
     assert [k for k, n in recorded_steps(ledger).items() if n > 1] == []
 
@@ -129,8 +133,7 @@ def test_a_second_signal_exits_at_once():
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(30)\n"
             "    print('still running')\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=train_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = run(PYTHON, ["-c", code], timeout=60)
     assert proc.stdout.split() == ["asked"], proc.stdout + proc.stderr
     assert proc.returncode == -signal.SIGINT, proc.returncode
     assert "second SIGINT: exiting now" in proc.stderr

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from conftest import free_port
+from support.launch import free_port
 from train.distributed import agree_round_key
 
 

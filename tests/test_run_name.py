@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from conftest import compose_config, run_train, tiny_overrides
+from support.launch import run_train
+from support.runs import compose_config, tiny_overrides
 from train.checkpoint import build_manager, resume, training_config
 from train.config import DEFAULT_RUN_NAME_EXCLUDES, default_run_name
 from train.distributed import World

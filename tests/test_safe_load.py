@@ -11,10 +11,8 @@ import copyreg
 import io
 import json
 import logging
-import os
 import pickle
 import struct
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -28,8 +26,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from checkpointing import commit, export, safe_load, verify
 from checkpointing.safe_load import SafeLoadPlanner, UnsafeCheckpointError, load_metadata
 from checkpointing.storage import Store
-from conftest import REPO
-from test_checkpoint import Job, Payload, manager, rewrite_marker, same, two_checkpoints
+from support.launch import PYTHON, run
+from support.tiny_job import Job, Payload, manager, rewrite_marker, same, two_checkpoints
 
 STEP_2 = "step_000000002"
 PLANTED = "planted_goodput_mod"  # a module the attacker drops next to the checkpoint
@@ -227,12 +225,6 @@ def test_a_metadata_declaring_huge_tensors_is_not_allocated_by_export(tmp_path, 
     assert len(err) == 1 and "declares" in err[0], err
 
 
-def run_verify(root: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "checkpointing.verify", str(root)], env=env,
-                          capture_output=True, text=True, timeout=60)
-
-
 def test_links_in_a_checkpoint_are_not_followed(tmp_path):
     """A file linked to /dev/zero reads forever (its size is 0, as signed); one linked
     outside reads another file. Both make the checkpoint incomplete, at once."""
@@ -244,7 +236,7 @@ def test_links_in_a_checkpoint_are_not_followed(tmp_path):
     step_1 = root / "step_000000001" / "commit_rank_0.json"
     step_1.unlink()
     step_1.symlink_to("/dev/zero")
-    result = run_verify(root)
+    result = run(PYTHON, ["-m", "checkpointing.verify", str(root)], timeout=60)
     assert result.returncode == 1, result.stderr
     assert result.stdout.splitlines() == [
         f"{STEP_2}  INCOMPLETE: commit_rank_0.json is not a regular file (a symlink, device "

@@ -13,8 +13,9 @@ from typing import Iterator, List
 
 import pytest
 
-from conftest import run_train, tiny_overrides
 from data.redact import CredentialFilter, strip_credentials
+from support.launch import run_train
+from support.runs import tiny_overrides
 
 USER, PASSWORD = "user", "s3cret"
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import free_port, run_train, tiny_overrides
+from support.launch import free_port, run_train
+from support.runs import tiny_overrides
 from train import tracking
 from train.config import LoggerConfig
 from train.distributed import World

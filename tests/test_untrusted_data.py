@@ -28,7 +28,8 @@ from data.index import DatasetIndex, list_split, load_or_build
 from data.loader import VolumeLoader
 from data.pipeline import check_same_classes, open_dataset
 from data.volume import Volume
-from tests.conftest import REPO, run_train, tiny_overrides
+from support.launch import run_train
+from support.runs import REPO, tiny_overrides
 
 BOMB_SIDE = 30000
 

@@ -6,20 +6,19 @@ size), so the losses must match the fixed-size run's closely too."""
 
 from __future__ import annotations
 
-import sys
+import time
 from pathlib import Path
 from typing import Dict
 
 import pytest
 import torch
 
-from conftest import torchrun
+from checkpointing.storage import Store
 from data.sampler import epoch_permutation
-from faultlib import (FINAL, assert_exactly_once, run_job, samples_per_step,
-                      surviving_history, train_args)
-from test_resume import checkpoint_contents
-
-SINGLE = [sys.executable]
+from support.checkpoints import checkpoint_contents, complete_now
+from support.launch import PYTHON, run_job, torchrun
+from support.ledger import assert_exactly_once, assert_resumed, samples_per_step, surviving_history
+from support.runs import FINAL, train_args
 
 
 def args(tiny_root: Path, root: Path, world: int, *extra: str) -> list:
@@ -28,7 +27,15 @@ def args(tiny_root: Path, root: Path, world: int, *extra: str) -> list:
 
 
 def launcher(world: int) -> list:
-    return torchrun(world) if world > 1 else SINGLE
+    return torchrun(world) if world > 1 else PYTHON
+
+
+def resume_at(tiny_root: Path, root: Path, world: int, *extra: str) -> int:
+    """Run on at `world` ranks; the checkpoint it resumed from."""
+    since = time.time()
+    committed = complete_now(Store(str(root / "r" / "checkpoints")))
+    run_job(launcher(world), args(tiny_root, root, world, *extra))
+    return assert_resumed(root / "ledger.jsonl", since, committed)
 
 
 def global_losses(ledger: Path) -> Dict[int, float]:
@@ -61,9 +68,9 @@ def test_world_size_2_then_1_then_2(tiny_root, tmp_path, fixed_size):
     ledger = tmp_path / "ledger.jsonl"
     run_job(torchrun(2), args(tiny_root, tmp_path, 2, "trainer.max_steps=4"))
     assert_loaded_what_was_saved(tiny_root, tmp_path, 1, 4)
-    run_job(SINGLE, args(tiny_root, tmp_path, 1, "trainer.max_steps=8"))
+    assert resume_at(tiny_root, tmp_path, 1, "trainer.max_steps=8") == 4
     assert_loaded_what_was_saved(tiny_root, tmp_path, 2, 8)
-    run_job(torchrun(2), args(tiny_root, tmp_path, 2))
+    assert resume_at(tiny_root, tmp_path, 2) == 8
 
     worlds = {step: records[0]["world"] for step, records in surviving_history(ledger).items()}
     assert worlds == {s: 2 if s <= 4 or s > 8 else 1 for s in range(1, 13)}
@@ -82,7 +89,7 @@ def test_world_size_2_then_3(tiny_root, tmp_path):
     ledger, batch = tmp_path / "ledger.jsonl", "data.global_batch_size=30"
     run_job(torchrun(2), args(tiny_root, tmp_path, 2, batch, "trainer.max_steps=3"))
     assert_loaded_what_was_saved(tiny_root, tmp_path, 3, 3, batch)
-    run_job(torchrun(3), args(tiny_root, tmp_path, 3, batch))
+    assert resume_at(tiny_root, tmp_path, 3, batch) == 3
     worlds = {step: records[0]["world"] for step, records in surviving_history(ledger).items()}
     assert worlds == {s: 2 if s <= 3 else 3 for s in range(1, 9)}
     expected = {}
