@@ -100,7 +100,7 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
     state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
     managers = {key: CheckpointManager(CheckpointOptions(dir=str(work / mode), async_mode=mode,
                                                          keep_last=2),
-                                       world.rank, world.world_size, world.checkpoint_group)
+                                       world.rank, world.world_size, world.control_group)
                 for key, mode in MODES.items()}
     samples: Dict[str, Dict[str, List[float]]] = {
         k: {"blocked": [], "total": []} for k in LABELS}
@@ -136,15 +136,15 @@ def ranks_worker(work: Path, repeats: int) -> None:
     model, optimizer = build_state()
     state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
     manager = CheckpointManager(CheckpointOptions(dir=str(work), async_mode="off", keep_last=2),
-                                world.rank, world.world_size, world.checkpoint_group)
+                                world.rank, world.world_size, world.control_group)
     times = []
     for step in range(1, repeats + 2):
-        dist.barrier(group=world.checkpoint_group)
+        dist.barrier(group=world.control_group)
         # Synchronous: rank 0's save returns once every rank's marker is in and it renamed.
         elapsed = timed(lambda: manager.save(step, state))
         if step > 1:
             times.append(elapsed)
-    dist.barrier(group=world.checkpoint_group)
+    dist.barrier(group=world.control_group)
     if world.rank == 0:
         last = work / f"step_{repeats + 1:09d}"
         per_rank = [sum(p.stat().st_size for p in last.glob(f"__{r}_*.distcp"))

@@ -19,7 +19,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -118,6 +118,13 @@ def _hash_file(path: Path) -> FileRecord:
         return FileRecord(path.stat().st_size, sha256_of(f))
 
 
+class Loaded(NamedTuple):
+    """What a load restored: the checkpoint's step, and the world size that saved it."""
+
+    step: int
+    world_size: int
+
+
 class CheckpointManager:
     def __init__(self, options: CheckpointOptions, rank: int = 0, world_size: int = 1,
                  process_group: Optional[dist.ProcessGroup] = None,
@@ -141,10 +148,8 @@ class CheckpointManager:
         self._pending_planner: Optional[DefaultSavePlanner] = None
         self.last_failure = ""  # why the last failed save failed (one line)
         self.last_complete_step: Optional[int] = None
-        self.last_loaded_world_size: Optional[int] = None
         self.failed_saves = 0
         self._verified: set = set()  # (store url, step) whose checksums were verified
-        self.last_stall_seconds = 0.0  # how long the last save blocked the caller
         self.last_save_seconds = 0.0  # how long the last save took to commit
 
     # ---- collectives (a dedicated group, so they never interleave with training's) ----
@@ -188,13 +193,14 @@ class CheckpointManager:
 
     # ---- save ----
 
-    def save(self, step: int, state: Dict[str, Any]) -> None:
+    def save(self, step: int, state: Dict[str, Any]) -> float:
         """Snapshot `state` (Stateful objects and tensors) as checkpoint `step`.
 
-        Returns once the snapshot is staged; the rest happens in the background.
+        Returns once the snapshot is staged (the rest happens in the background), with the
+        seconds the caller was blocked, waiting for the previous save included.
         """
-        self.wait()
         start = time.perf_counter()
+        self.wait()
         partial = commit.partial_dir_name(step, self.attempt)
         target = (self.staging / partial) if self.staging else Path(self.remote.path(partial))
         target.mkdir(parents=True, exist_ok=True)
@@ -210,20 +216,19 @@ class CheckpointManager:
                 dcp.save(state, storage_writer=writer, planner=planner, **self._dcp_kwargs())
             except (Exception, CheckpointException) as err:  # the latter is a BaseException
                 self._pending_error = (err, str(target.parent))
-                return
-            finally:
-                self.last_stall_seconds = time.perf_counter() - start
+                return time.perf_counter() - start
             self._commit_or_record(step, target, start)
-            return
+            return time.perf_counter() - start
         kind = (AsyncCheckpointerType.PROCESS if self.options.async_mode == "process"
                 else AsyncCheckpointerType.THREAD)
         future = dcp.async_save(state, storage_writer=writer, planner=planner,
                                 async_checkpointer_type=kind, **self._dcp_kwargs())
-        self.last_stall_seconds = time.perf_counter() - start
+        stall = time.perf_counter() - start
         self._pending = threading.Thread(target=self._finish_in_background,
                                          args=(future, step, target, start),
                                          name=f"checkpoint-{step}", daemon=True)
         self._pending.start()
+        return stall
 
     def _finish_in_background(self, future: Future, step: int, target: Path,
                               start: float) -> None:
@@ -416,48 +421,42 @@ class CheckpointManager:
 
     # ---- load ----
 
-    def load_latest(self, state: Dict[str, Any],
-                    optional_keys: Callable[[int], List[str]] = lambda world: [],
-                    header: Sequence[str] = (), check_header: Callable[[], None] = lambda: None
-                    ) -> Optional[int]:
-        """Load the newest complete checkpoint into `state`; its step, or None if none.
-
-        Every rank loads the same step: rank 0 picks it after verifying checksums. One that
-        still fails to load (e.g. a re-signed hostile pickle) is skipped like an incomplete
-        one. `optional_keys(saved_world_size)` names top-level keys to leave out of the load
-        (e.g. per-rank RNG when the world size changed). The `header` keys load first and
-        `check_header()` may refuse the checkpoint (by raising) before anything else loads.
-        """
+    def complete_checkpoints(self) -> Iterator[Tuple[int, int]]:
+        """(step, world size that saved it) of each complete checkpoint, newest first, the
+        same on every rank: rank 0 verifies checksums and hands out each choice."""
         candidates = commit.find_complete(self.remote, log) if self.rank == 0 else iter(())
-        while True:
-            choice = self._broadcast(next(candidates, None))
-            if choice is None:
-                return None
-            step, saved_world = choice
-            source = self._load_source(step)
-            remote_url = self.remote.url_of(commit.step_dir_name(step))
+        while (choice := self._broadcast(next(candidates, None))) is not None:
+            yield choice
+
+    def load(self, step: int, state: Dict[str, Any], partial: bool = False) -> bool:
+        """Load checkpoint `step` into `state` on every rank; False, with one warning, when it
+        fails to load (e.g. a re-signed hostile pickle), like an incomplete one. `partial`:
+        keys `state` has and the checkpoint lacks keep their live values."""
+        source = self._load_source(step)
+        local = source != self.remote.url_of(commit.step_dir_name(step))
+        try:
+            dcp.load(state, storage_reader=safe_reader(source, local),
+                     planner=SafeLoadPlanner(allow_partial_load=partial), **self._dcp_kwargs())
+        except CheckpointException as err:
+            log.warning("checkpoint %s failed to load (%s): skipping it", source, one_line(err))
+            return False
+        self.last_complete_step = step
+        return True
+
+    def load_latest(self, state: Dict[str, Any],
+                    optional_keys: Callable[[int], List[str]] = lambda world: []
+                    ) -> Optional[Loaded]:
+        """Load the newest complete checkpoint that loads into `state`; what it loaded, or
+        None when there is none. `optional_keys(saved_world_size)` names top-level keys to
+        leave out (e.g. per-rank RNG when the world size changed)."""
+        for step, saved_world in self.complete_checkpoints():
             skip = set(optional_keys(saved_world))
             start = time.perf_counter()
-            parts = [{k: state[k] for k in header},
-                     {k: v for k, v in state.items() if k not in skip and k not in header}]
-            try:
-                for i, part in enumerate(parts):
-                    if part:
-                        # The header loads partially: a key it gained since the checkpoint
-                        # was saved keeps its live value (check_header judges it).
-                        dcp.load(part, storage_reader=safe_reader(source, source != remote_url),
-                                 planner=SafeLoadPlanner(allow_partial_load=i == 0),
-                                 **self._dcp_kwargs())
-                    if i == 0:
-                        check_header()
-            except CheckpointException as err:
-                log.warning("checkpoint %s failed to load (%s): skipping it", source,
-                            one_line(err))
-                continue
-            log.info("resumed from %s (step %d, saved at world size %d) in %.1fs", source,
-                     step, saved_world, time.perf_counter() - start)
-            self.last_complete_step, self.last_loaded_world_size = step, saved_world
-            return step
+            if self.load(step, {k: v for k, v in state.items() if k not in skip}):
+                log.info("loaded checkpoint step %d (saved at world size %d) in %.1fs", step,
+                         saved_world, time.perf_counter() - start)
+                return Loaded(step, saved_world)
+        return None
 
     def _load_source(self, step: int) -> str:
         """The local tier when every rank holds the same complete step there, else the

@@ -7,7 +7,8 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Dict
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -21,26 +22,25 @@ from data.loader import eval_batches
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
 from train import PROCESS_START
-from train.checkpoint import (CheckpointSchedule, Checkpointing, build_manager, resume,
-                              training_config)
+from train.checkpoint import Checkpointer, build_manager, training_config
 from train.config import Device, Precision, StrategyName
 from train.distributed import World, init_world, launched_by_torchrun, shutdown_world
 from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
                           PreflightError, TrainingError)
-from train.faults import Faults, omitted_state_keys
+from train.faults import FaultHook, Faults
 from train.goodput import Goodput
-from train.health import Guard, HealthMonitor, HealthState, Watchdog
+from train.health import HealthMonitor, HealthState, Watchdog
 from train.launch import use_node_local_dirs
-from train.loop import LoopPlan, fit
+from train.loop import Learner, LoopPlan, fit
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
 from train.parallel import full_state_dict, parallelize
 from train.preemption import Preempted, PreemptionFlag, catch_preemption
 from train.preflight import preflight
 from train.runlock import hold_run_lock
-from train.state import (DataIdentity, DataState, ModelState, OptimizerState, Progress,
-                         RNGState, RunInfo, SchedulerState, TrainerState)
-from train.tracking import describe, start_tracker
+from train.state import (DataIdentity, ModelState, OptimizerState, Position, RNGState,
+                         RunInfo, SchedulerState)
+from train.tracking import NullTracker, describe, start_tracker
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,22 @@ def train(cfg: DictConfig) -> Dict[str, float]:
             shutdown_world()
 
 
+@dataclass
+class Job:
+    """What `build` made for this process: read by `resume`, then by `train_to_end`."""
+
+    plan: LoopPlan
+    learner: Learner
+    loader_at: Callable[[Position], torch.utils.data.DataLoader]  # train batches from there
+    val_loader: torch.utils.data.DataLoader
+    info: RunInfo  # the MLflow run and config a checkpoint records
+    health: HealthMonitor
+    checkpointer: Optional[Checkpointer]
+
+
 def train_in_world(cfg: DictConfig, world: World, device: torch.device,
                    start: float, preemption: PreemptionFlag) -> Dict[str, float]:
+    """Build -> resume -> train to the end."""
     run_dir = Path(cfg.run.root) / cfg.run.name
     log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
              world.world_size)
@@ -88,49 +102,25 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     tracker = start_tracker(cfg.logger, world)  # a dead store fails now, not after set-up
     if cfg.health.preflight:
         preflight(world, device, cfg.strategy.timeout_seconds, faults)
+    job = build(cfg, world, device, faults)
+    position = resume(cfg, job, world)
+    return train_to_end(cfg, job, world, position, tracker, preemption, faults, start)
 
+
+def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook) -> Job:
+    """Data, model, optimizer, and what checkpoints them."""
     train_set, val_set = build_datasets(cfg.data, cfg.seed)
     batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size, world.world_size,
                            cfg.trainer.grad_accum_steps)
-    loop_plan = make_loop_plan(cfg, batch_plan, device)
+    plan = make_loop_plan(cfg, batch_plan, device)
     log.info("%d train / %d val images, %d classes; %d steps of %d (%d per epoch, %d samples "
              "dropped per epoch)", len(train_set), len(val_set), train_set.num_classes,
-             loop_plan.total_steps, cfg.data.global_batch_size, batch_plan.steps_per_epoch,
+             plan.total_steps, cfg.data.global_batch_size, batch_plan.steps_per_epoch,
              batch_plan.dropped_per_epoch)
-
-    model = build_model(cfg.model, train_set.num_classes).to(device)
-    # FSDP2 refuses non-contiguous (channels_last) parameters; channels_last inputs alone
-    # still select the channels_last convolution kernels.
-    if device.type == "cuda" and cfg.strategy.name != StrategyName.fsdp:
-        model = model.to(memory_format=torch.channels_last)
-    # Before the optimizer is built: FSDP replaces the parameters with sharded ones.
-    model = parallelize(model, cfg.strategy, world, device)
-    optimizer = build_optimizer(cfg.optim, model)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, loop_plan.planned_steps,
-                                batch_plan.steps_per_epoch)
-
-    progress = Progress()
-    info = RunInfo(mlflow_run_id=None, config=training_config(cfg))
-    state = {"model": ModelState(model, world.checkpoint_group),
-             "optim": OptimizerState(model, optimizer),
-             "scheduler": SchedulerState(scheduler), "trainer": TrainerState(progress),
-             "data": DataState(progress, DataIdentity(cfg.seed, len(train_set),
-                                                      cfg.data.global_batch_size)),
-             "rng": RNGState(world.rank), "run": info,
-             "health": HealthState(cfg.health.median_window)}
-    for key in omitted_state_keys():  # negative controls in tests only (GOODPUT_FAULT)
-        del state[key]
-    manager = build_manager(cfg, world, faults)
-    resumed_run_id = resume(cfg, manager, state, world, faults)
-    health = HealthMonitor(cfg.health, state["health"], world.rank, run_dir,
-                           replicated=cfg.strategy.name == StrategyName.ddp)
-    health.load_skips()
-    state["health"].skipped = set(broadcast_object(sorted(state["health"].skipped),
-                                                   world.checkpoint_group))
-
+    learner = build_learner(cfg, world, device, train_set.num_classes, plan)
     pin = device.type == "cuda"
 
-    def train_loader_at(position: Progress) -> torch.utils.data.DataLoader:
+    def loader_at(position: Position) -> torch.utils.data.DataLoader:
         sampler = GlobalBatchSampler(batch_plan, cfg.seed, world.rank, position.epoch,
                                      position.step_in_epoch)
         return build_loader(train_set, sampler, cfg.data, pin)
@@ -138,25 +128,68 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
                                                     world.rank, world.world_size),
                               cfg.data, pin)
-    checkpoints = (Checkpointing(manager, state, CheckpointSchedule(cfg, progress.step),
-                                 world.world_size, cfg.seed) if manager else None)
-    guard = Guard(health, faults,
-                  Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0), preemption)
+    info = RunInfo(mlflow_run_id=None, config=training_config(cfg), run_name=cfg.run.name)
+    health_state = HealthState(cfg.health.median_window)
+    components = {"model": ModelState(learner.model, world.control_group),
+                  "optim": OptimizerState(learner.model, learner.optimizer),
+                  "scheduler": SchedulerState(learner.scheduler), "rng": RNGState(world.rank),
+                  "run": info, "health": health_state}
+    faults.at("state", state=components)  # negative controls in tests only
+    manager = build_manager(cfg, world, faults)
+    checkpointer = manager and Checkpointer(
+        cfg, manager, components, DataIdentity(cfg.seed, len(train_set),
+                                               cfg.data.global_batch_size),
+        world.world_size, faults)
+    health = HealthMonitor(cfg.health, health_state, world.rank,
+                           Path(cfg.run.root) / cfg.run.name,
+                           replicated=cfg.strategy.name == StrategyName.ddp)
+    return Job(plan, learner, loader_at, val_loader, info, health, checkpointer)
 
-    if progress.step >= loop_plan.total_steps:
+
+def build_learner(cfg: DictConfig, world: World, device: torch.device, num_classes: int,
+                  plan: LoopPlan) -> Learner:
+    model = build_model(cfg.model, num_classes).to(device)
+    # FSDP2 refuses non-contiguous (channels_last) parameters; channels_last inputs alone
+    # still select the channels_last convolution kernels.
+    if device.type == "cuda" and cfg.strategy.name != StrategyName.fsdp:
+        model = model.to(memory_format=torch.channels_last)
+    # Before the optimizer is built: FSDP replaces the parameters with sharded ones.
+    model = parallelize(model, cfg.strategy, world, device)
+    optimizer = build_optimizer(cfg.optim, model)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, plan.planned_steps,
+                                plan.steps_per_epoch)
+    return Learner(model, optimizer, scheduler)
+
+
+def resume(cfg: DictConfig, job: Job, world: World) -> Position:
+    """Where this process starts: the newest complete checkpoint of the run, or step 0."""
+    restored = job.checkpointer.restore() if job.checkpointer else None
+    position = restored.position if restored else Position()
+    job.health.load_skips(lambda skipped: broadcast_object(skipped, world.control_group))
+    if position.step >= job.plan.total_steps:
         log.info("run %s is already complete at step %d: nothing to train (raise "
                  "trainer.max_epochs or trainer.max_steps to go on)", cfg.run.name,
-                 progress.step)
-    with tracker.run(cfg.run.name, cfg, resume_run_id=resumed_run_id) as run_id:
+                 position.step)
+    return position
+
+
+def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tracker: NullTracker,
+        preemption: PreemptionFlag, faults: FaultHook, start: float) -> Dict[str, float]:
+    """Train to the end under the MLflow run, then save the final weights."""
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id) as run_id:
         # every rank saves the same
-        info.mlflow_run_id = broadcast_object(run_id, world.checkpoint_group)
+        job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
         goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)
-        metrics = fit(model, optimizer, scheduler, train_loader_at, val_loader, loop_plan,
-                      progress, guard, goodput, checkpoints, tracker)
-        if checkpoints:
-            checkpoints.close()
+        watchdog = Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0)
+        metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,
+                      job.health, watchdog, preemption, job.checkpointer, goodput, tracker,
+                      faults)
+        if job.checkpointer:
+            job.checkpointer.close()
         goodput.save(ended=True)
-    weights = full_state_dict(model) if cfg.trainer.save_final_weights else None  # all ranks
+    weights = (full_state_dict(job.learner.model) if cfg.trainer.save_final_weights
+               else None)  # a collective: every rank
     if weights is not None and world.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         torch.save(weights, run_dir / "model_final.pt")

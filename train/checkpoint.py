@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -13,8 +14,9 @@ from checkpointing.manager import CheckpointManager, CheckpointOptions
 from train.config import ResumeMode
 from train.distributed import World
 from train.errors import ConfigError
-from train.faults import Faults
-from train.state import Progress, RNGState, RunInfo, changed_keys
+from train.faults import NO_FAULTS, FaultHook
+from train.state import (DataIdentity, Position, RunInfo, changed_keys, position_state,
+                         read_position)
 from train.tracking import flatten
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ def training_config(cfg: DictConfig) -> Dict[str, str]:
 
 
 def build_manager(cfg: DictConfig, world: World,
-                  faults: Faults) -> Optional[CheckpointManager]:
+                  faults: FaultHook = NO_FAULTS) -> Optional[CheckpointManager]:
     ck = cfg.checkpoint
     if not ck.enabled:
         return None
@@ -41,85 +43,14 @@ def build_manager(cfg: DictConfig, world: World,
                                     async_mode=ck.async_mode.value, keep_last=ck.keep_last,
                                     commit_timeout_s=ck.commit_timeout_s)
         manager = CheckpointManager(options, world.rank, world.world_size,
-                                    world.checkpoint_group, fault_hook=faults.save_hook(),
+                                    world.control_group,
+                                    fault_hook=lambda phase, step: faults.at(
+                                        "save", phase=phase, step=step),
                                     local_rank=world.local_rank)
     except ValueError as err:  # also a checkpoint.dir URL that fsspec cannot open
         raise ConfigError(str(err)) from None
     manager.check_storage()
     return manager
-
-
-def resume(cfg: DictConfig, manager: Optional[CheckpointManager], state: Dict[str, Any],
-           world: World, faults: Faults) -> Optional[str]:
-    """Load the newest complete checkpoint into `state` as `checkpoint.resume` says.
-
-    Returns the MLflow run id to keep logging into (None for a fresh start).
-    """
-    mode = cfg.checkpoint.resume
-    if manager is None:
-        return None
-    exists = manager.has_any_checkpoint()
-    if mode == ResumeMode.never:
-        if exists:
-            raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir} already holds checkpoints "
-                              f"and checkpoint.resume=never: pick another run.name, or "
-                              f"checkpoint.resume=auto to continue that run")
-        return None
-    info: RunInfo = state["run"]
-    current_config = dict(info.config)
-    # The header loads partially: a checkpoint saved before run names were recorded keeps
-    # this one, and is judged by the identity keys alone.
-    info.run_name = cfg.run.name
-
-    def refuse_another_run() -> None:
-        if info.run_name not in (None, cfg.run.name):
-            raise ConfigError(
-                f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints of another run "
-                f"({info.run_name[:200]!r}), not of this run ({cfg.run.name}): give every run "
-                f"a checkpoint.dir of its own, e.g. checkpoint.dir=/some/dir/${{run.name}} (the "
-                f"default is ${{run.root}}/${{run.name}}/checkpoints), or run.name= that run's "
-                f"name to continue it")
-        refused = [k for k in changed_keys(info.config, current_config) if k in IDENTITY_KEYS]
-        if refused:
-            raise ConfigError(f"cannot resume {cfg.run.name}: {', '.join(refused)} changed "
-                              f"since the checkpoint (that makes it a different run): use a "
-                              f"new run.name")
-
-    if exists:
-        faults.at_load()
-    step = manager.load_latest(state, optional_keys=rng_if_resized(world.world_size),
-                               header=["run"], check_header=refuse_another_run)
-    if step is None:
-        if exists:
-            raise ConfigError(f"{cfg.checkpoint.dir} holds checkpoints but none is complete "
-                              f"(see the warnings above): remove them to start afresh, or "
-                              f"point checkpoint.dir at a good copy")
-        if mode == ResumeMode.required:
-            raise ConfigError(f"checkpoint.resume=required but {cfg.checkpoint.dir} holds no "
-                              f"checkpoint: check run.name / checkpoint.dir")
-        return None
-    progress: Progress = state["trainer"].progress
-    if progress.step != step:
-        raise ConfigError(f"checkpoint step_{step:09d} records step {progress.step}: "
-                          f"it was not written by this trainer")
-    changed = changed_keys(info.config, current_config)
-    if changed:
-        log.warning("resuming with changed config keys: %s", ", ".join(changed))
-    rederive_rng_if_resized(manager, state, world.world_size, cfg.seed, step)
-    run_id, info.config = info.mlflow_run_id, current_config
-    return run_id
-
-
-def rng_if_resized(world_size: int) -> Callable[[int], List[str]]:
-    """Per-rank RNG streams only map onto ranks at the world size that saved them."""
-    return lambda saved_world_size: ["rng"] if saved_world_size != world_size else []
-
-
-def rederive_rng_if_resized(manager: CheckpointManager, state: Dict[str, Any],
-                            world_size: int, seed: int, step: int) -> None:
-    if "rng" in state and manager.last_loaded_world_size != world_size:
-        rng: RNGState = state["rng"]
-        rng.rederive(seed, step)
 
 
 class CheckpointSchedule:
@@ -136,50 +67,135 @@ class CheckpointSchedule:
     def due(self, step: int, final: bool) -> bool:
         return final or step - self.last_save_step >= self.interval
 
-    def saved(self, step: int, manager: CheckpointManager) -> None:
+    def saved(self, step: int, stall_seconds: float, save_seconds: float) -> None:
         """Re-plan after a save: T = sqrt(2 * C * MTBF), C the measured stall; never more
-        often than a save takes to finish in the background."""
+        often than a save takes to finish in the background (`save_seconds`)."""
         now = time.perf_counter()
         if self.auto and step > self.last_save_step:
             step_seconds = (now - self.last_time) / (step - self.last_save_step)
-            optimal = math.sqrt(2 * max(manager.last_stall_seconds, 1e-3) * self.mtbf_seconds)
-            floor = manager.last_save_seconds / max(step_seconds, 1e-9)
+            optimal = math.sqrt(2 * max(stall_seconds, 1e-3) * self.mtbf_seconds)
+            floor = save_seconds / max(step_seconds, 1e-9)
             self.interval = max(1, math.ceil(max(optimal / max(step_seconds, 1e-9), floor)))
             log.info("checkpoint interval: %d steps (Young/Daly: stall %.3fs, MTBF %.1fh)",
-                     self.interval, manager.last_stall_seconds, self.mtbf_seconds / 3600)
+                     self.interval, stall_seconds, self.mtbf_seconds / 3600)
         self.last_save_step, self.last_time = step, now
 
 
-class Checkpointing:
-    """The loop's handle on checkpoints: save when due, report what it cost."""
+@dataclass(frozen=True)
+class Restored:
+    """What a load gave back: where the run is, and the world size that saved it."""
 
-    def __init__(self, manager: CheckpointManager, state: Dict[str, Any],
-                 schedule: CheckpointSchedule, world_size: int, seed: int) -> None:
-        self.manager, self.state, self.schedule = manager, state, schedule
-        self.world_size, self.seed = world_size, seed
+    position: Position
+    saved_world_size: int
 
-    def due(self, step: int, final: bool) -> bool:
-        return self.schedule.due(step, final)
 
-    def save(self, step: int) -> float:
-        """Start checkpoint `step`; returns how long the loop was blocked (seconds)."""
-        self.manager.save(step, self.state)
-        self.schedule.saved(step, self.manager)
-        return self.manager.last_stall_seconds
+class Checkpointer:
+    """The loop's handle on checkpoints: restores at start, saves when due (it decides),
+    rolls back, and reports what saving cost. `components` are the `Stateful` parts of a
+    checkpoint; the position is passed in at each save and handed back by each load."""
 
-    def roll_back(self) -> Optional[int]:
-        """Load the newest complete checkpoint into the live state (None: there is none)."""
+    def __init__(self, cfg: DictConfig, manager: CheckpointManager,
+                 components: Dict[str, Any], identity: DataIdentity, world_size: int,
+                 faults: FaultHook = NO_FAULTS) -> None:
+        self.cfg, self.manager, self.components = cfg, manager, components
+        self.identity, self.world_size, self.faults = identity, world_size, faults
+        self.schedule = CheckpointSchedule(cfg, start_step=0)
+        self.stall_seconds = 0.0  # the last save's, for the planner and the metrics
+
+    def restore(self) -> Optional[Restored]:
+        """Load the newest complete checkpoint of this run as `checkpoint.resume` says; None
+        for a fresh start. Another run's checkpoint, or one whose identity keys changed,
+        stops the run with a ConfigError."""
+        ck = self.cfg.checkpoint
+        exists = self.manager.has_any_checkpoint()
+        if ck.resume == ResumeMode.never:
+            if exists:
+                raise ConfigError(f"checkpoint.dir {ck.dir} already holds checkpoints and "
+                                  f"checkpoint.resume=never: pick another run.name, or "
+                                  f"checkpoint.resume=auto to continue that run")
+            return None
+        if exists:
+            self.faults.at("load")
+        info: RunInfo = self.components["run"]
+        current_config = dict(info.config)
+        restored = self._load_newest(lambda: refuse_another_run(self.cfg, info, current_config))
+        if restored is None:
+            if exists:
+                raise ConfigError(f"{ck.dir} holds checkpoints but none is complete (see the "
+                                  f"warnings above): remove them to start afresh, or point "
+                                  f"checkpoint.dir at a good copy")
+            if ck.resume == ResumeMode.required:
+                raise ConfigError(f"checkpoint.resume=required but {ck.dir} holds no "
+                                  f"checkpoint: check run.name / checkpoint.dir")
+            return None
+        changed = changed_keys(info.config, current_config)
+        if changed:
+            log.warning("resuming with changed config keys: %s", ", ".join(changed))
+        info.config, info.run_name = current_config, self.cfg.run.name
+        return restored
+
+    def save(self, position: Position, last_step: bool = False) -> float:
+        """Start a checkpoint of `position` if one is due (always at the last step); returns
+        how long the loop was blocked (0.0 when none was due)."""
+        if not self.schedule.due(position.step, final=last_step):
+            return 0.0
+        state = {**self.components, **position_state(position, self.identity)}
+        self.stall_seconds = self.manager.save(position.step, state)
+        self.schedule.saved(position.step, self.stall_seconds, self.manager.last_save_seconds)
+        return self.stall_seconds
+
+    def roll_back(self) -> Optional[Restored]:
+        """The newest complete checkpoint, loaded into the live state (None: there is none)."""
         self.manager.wait()  # a save in flight holds a good, newer state: let it land
-        step = self.manager.load_latest(self.state, rng_if_resized(self.world_size),
-                                        header=["run"])  # loads partially, as on resume
-        if step is not None:
-            rederive_rng_if_resized(self.manager, self.state, self.world_size, self.seed, step)
+        return self._load_newest()
+
+    def _load_newest(self, check_run: Callable[[], None] = lambda: None) -> Optional[Restored]:
+        """Try complete checkpoints newest first: the run header loads first (partially: a
+        checkpoint older than a header key keeps the live value) and `check_run` may refuse
+        it; then everything else."""
+        for step, saved_world in self.manager.complete_checkpoints():
+            if not self.manager.load(step, {"run": self.components["run"]}, partial=True):
+                continue
+            check_run()
+            resized = saved_world != self.world_size  # per-rank RNG streams no longer map
+            rest = {k: v for k, v in self.components.items()
+                    if k != "run" and not (resized and k == "rng")}
+            loaded = {**rest, **position_state(Position(), self.identity)}
+            if not self.manager.load(step, loaded):
+                continue
+            self.faults.at("loaded", state=loaded)
+            position = read_position(loaded, self.identity)
+            if position.step != step:
+                raise ConfigError(f"checkpoint step_{step:09d} records step {position.step}: "
+                                  f"it was not written by this trainer")
+            if resized and "rng" in self.components:
+                self.components["rng"].rederive(self.cfg.seed, step)
             self.schedule.last_save_step = step
-        return step
+            log.info("resumed from checkpoint step %d (saved at world size %d)", step,
+                     saved_world)
+            return Restored(position, saved_world)
+        return None
 
     def metrics(self) -> Dict[str, float]:
         return {"checkpoint/save_seconds": self.manager.last_save_seconds,
                 "checkpoint/failed_saves": float(self.manager.failed_saves)}
 
     def close(self) -> None:
+        """Wait until the last save is committed (raises if it failed)."""
         self.manager.close()
+
+
+def refuse_another_run(cfg: DictConfig, saved: RunInfo, current_config: Dict[str, str]) -> None:
+    """Raise when the checkpoint whose header is in `saved` belongs to another run."""
+    if saved.run_name not in (None, cfg.run.name):
+        raise ConfigError(
+            f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints of another run "
+            f"({saved.run_name[:200]!r}), not of this run ({cfg.run.name}): give every run "
+            f"a checkpoint.dir of its own, e.g. checkpoint.dir=/some/dir/${{run.name}} (the "
+            f"default is ${{run.root}}/${{run.name}}/checkpoints), or run.name= that run's "
+            f"name to continue it")
+    refused = [k for k in changed_keys(saved.config, current_config) if k in IDENTITY_KEYS]
+    if refused:
+        raise ConfigError(f"cannot resume {cfg.run.name}: {', '.join(refused)} changed since "
+                          f"the checkpoint (that makes it a different run): use a new "
+                          f"run.name")

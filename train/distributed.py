@@ -1,8 +1,9 @@
 """Process groups: from torchrun's environment, else a 1-rank gloo group.
 
 Even a single process gets a group, so the checkpoint path is the same code at any scale
-(and DCP's process-based async save has one to use). Checkpointing gets its own gloo group:
-DCP's background collectives must never interleave with training's (DESIGN.md pitfalls).
+(and DCP's process-based async save has one to use). Everything but training's own
+collectives runs on a second gloo group, `World.control_group`: DCP's background
+collectives must never interleave with training's (docs/architecture.md, pitfalls).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ class World:
     rank: int
     world_size: int
     local_rank: int
-    checkpoint_group: dist.ProcessGroup
+    # A gloo group of its own for all but training's collectives: checkpoint saves (DCP's
+    # background collectives must never interleave with DDP's), the run lock, broadcasts of
+    # run ids and verdicts, the pre-flight. gloo also on GPUs: it carries host objects.
+    control_group: dist.ProcessGroup
     node_rank: int = 0  # torchrun's GROUP_RANK: which agent (node) this rank runs under
 
 
@@ -42,8 +46,8 @@ def launched_by_torchrun() -> bool:
 
 def init_world(device: torch.device, timeout_s: float = 300.0,
                init_timeout_s: float = 600.0) -> World:
-    """Join (or create) the default group: nccl on CUDA, else gloo; checkpointing always
-    gets a gloo group of its own.
+    """Join (or create) the default group: nccl on CUDA, else gloo; and the control group,
+    always gloo.
 
     `init_timeout_s` bounds joining (peers may still be importing torch, or be restarting);
     `timeout_s` then bounds every collective, so a dead or frozen peer fails the group

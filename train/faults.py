@@ -1,5 +1,6 @@
 """Fault injection for tests and demos, driven by `GOODPUT_FAULT`, so the production code
-path runs unchanged: the trainer only asks "does a fault fire here?" at a few points.
+path runs unchanged: the trainer calls `faults.at(point, ...)` at a few named points, and
+that does nothing unless a fault is due there (`NO_FAULTS`, the default, never is).
 
 `GOODPUT_FAULT` holds faults separated by `;`, each `ACTION[:key=value...]`:
 
@@ -14,12 +15,12 @@ path runs unchanged: the trainer only asks "does a fault fire here?" at a few po
     stop:rank=1:step=5          rank 1 sends itself SIGSTOP (frozen whole)
     corrupt:rank=1:step=8       rank 1's parameters silently drift after step 8
     preflight:rank=1            rank 1's device computes a wrong result in the pre-flight
+    omit:keys=rng,data          leave those checkpoint keys out of every save and load (`data`:
+                                the data position; the negative controls of the resume tests)
 
 Without `rank=` a fault fires on every rank. Each fires once per run: a marker under
 `<run dir>/faults/` (holding the time it fired) keeps it from firing again after the
-restart; `every=1` makes it fire on every attempt instead. Two older forms stay:
-`kill:checkpoint:N:PHASE` (any rank) and `omit:rng,data` (leave those checkpoint keys out:
-the negative controls of the resume tests).
+restart; `every=1` makes it fire on every attempt instead (`omit` always applies).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,7 +42,7 @@ from train.errors import ConfigError
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "GOODPUT_FAULT"
-ACTIONS = ("kill", "raise", "nan", "hang", "stop", "corrupt", "preflight")
+ACTIONS = ("kill", "raise", "nan", "hang", "stop", "corrupt", "preflight", "omit")
 
 
 class InjectedFault(RuntimeError):
@@ -57,6 +58,7 @@ class Fault:
     save: Optional[int] = None
     phase: Optional[str] = None
     at: Optional[str] = None
+    keys: Tuple[str, ...] = ()
     every: bool = False
 
 
@@ -65,8 +67,6 @@ def parse(text: str) -> List[Fault]:
     faults = []
     for spec in filter(None, (s.strip() for s in text.split(";"))):
         parts = spec.split(":")
-        if parts[0] == "omit":
-            continue
         try:
             faults.append(_parse_one(spec, parts))
         except ValueError as err:  # int("x"), a field without "=", ...
@@ -76,28 +76,36 @@ def parse(text: str) -> List[Fault]:
 
 
 def _parse_one(spec: str, parts: List[str]) -> Fault:
-    if parts[:2] == ["kill", "checkpoint"] and len(parts) == 4:
-        return Fault(spec, "kill", save=int(parts[2]), phase=parts[3])
     if parts[0] not in ACTIONS:
         raise ValueError(f"unknown action; actions: {', '.join(ACTIONS)}")
     fields: Dict[str, str] = dict(p.split("=", 1) for p in parts[1:])
     ints = {k: int(fields.pop(k)) for k in ("rank", "step", "save") if k in fields}
+    keys = tuple(filter(None, fields.pop("keys", "").split(",")))
     fault = Fault(spec, parts[0], phase=fields.pop("phase", None), at=fields.pop("at", None),
-                  every=fields.pop("every", "0") == "1", **ints)
+                  keys=keys, every=fields.pop("every", "0") == "1", **ints)
     if fields:
         raise ValueError(f"unknown key(s) {sorted(fields)}")
     return fault
 
 
-def omitted_state_keys() -> List[str]:
-    """`omit:rng,data` leaves those keys out of every save and load."""
-    for spec in os.environ.get(FAULT_ENV, "").split(";"):
-        if spec.startswith("omit:"):
-            return spec[len("omit:"):].split(",")
-    return []
+class FaultHook:
+    """What production code sees: `at(point, **context)` at a few named points, a no-op.
+
+    The points: "step" (step=, as a step starts), "loss" (step=, loss=: may poison it in
+    place), "stepped" (step=, model=), "preflight" (result=: may corrupt it in place),
+    "load" (as a resume starts loading), "save" (phase=, step=: inside a save), "state"
+    (state=: the checkpoint's `Stateful` parts, may lose some) and "loaded" (state=: what a
+    load gave back, may be changed).
+    """
+
+    def at(self, point: str, **context: Any) -> None:
+        pass
 
 
-class Faults:
+NO_FAULTS = FaultHook()
+
+
+class Faults(FaultHook):
     """The faults that apply to this rank, each fired at most once per run."""
 
     def __init__(self, faults: List[Fault], rank: int, marker_dir: Path) -> None:
@@ -106,8 +114,12 @@ class Faults:
         self.saves_written = 0
 
     @classmethod
-    def from_env(cls, rank: int, run_dir: Path) -> "Faults":
-        return cls(parse(os.environ.get(FAULT_ENV, "")), rank, run_dir / "faults")
+    def from_env(cls, rank: int, run_dir: Path) -> FaultHook:
+        faults = parse(os.environ.get(FAULT_ENV, ""))
+        return cls(faults, rank, run_dir / "faults") if faults else NO_FAULTS
+
+    def at(self, point: str, **context: Any) -> None:
+        getattr(self, f"_at_{point}")(**context)
 
     def _marker(self, fault: Fault) -> Path:
         return self.marker_dir / f"{re.sub(r'[^A-Za-z0-9=_-]+', '_', fault.spec)}.rank{self.rank}"
@@ -138,8 +150,7 @@ class Faults:
                     return fault
         return None
 
-    def at_step(self, step: int) -> None:
-        """Process-level faults at the start of `step`."""
+    def _at_step(self, step: int) -> None:
         if self._due("kill", step=step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("raise", step=step):
@@ -150,27 +161,36 @@ class Faults:
             while True:  # stuck in our own code, GIL and all: only a watchdog ends this
                 pass
 
-    def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """NaN instead of `loss` when a `nan` fault is due (backward then spreads it)."""
-        return loss * math.nan if self._due("nan", step=step) else loss
+    def _at_loss(self, step: int, loss: torch.Tensor) -> None:
+        if self._due("nan", step=step):
+            loss.mul_(math.nan)
 
-    def after_step(self, step: int, model: torch.nn.Module) -> None:
+    def _at_stepped(self, step: int, model: torch.nn.Module) -> None:
         if self._due("corrupt", step=step):
             with torch.no_grad():
                 next(model.parameters()).add_(1e-3)  # silent: finite, plausible, wrong
 
-    def corrupts_device(self) -> bool:
-        return self._due("preflight") is not None
+    def _at_preflight(self, result: torch.Tensor) -> None:
+        if self._due("preflight"):
+            result[17, 42] += 1.0  # what a bad GPU or a flipped bit in its memory looks like
 
-    def at_load(self) -> None:
+    def _at_load(self) -> None:
         if self._due("kill", at="load"):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def save_hook(self) -> Callable[[str, int], None]:
-        """The checkpoint manager's hook: SIGKILL inside the N-th save at a phase."""
-        def hook(phase: str, step: int) -> None:
-            if phase == "written":
-                self.saves_written += 1
-            if self._due("kill", save=self.saves_written, phase=phase):
-                os.kill(os.getpid(), signal.SIGKILL)
-        return hook
+    def _at_save(self, phase: str, step: int) -> None:
+        if phase == "written":
+            self.saves_written += 1
+        if self._due("kill", save=self.saves_written, phase=phase):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _omitted(self) -> List[str]:
+        return [key for fault in self.faults if fault.action == "omit" for key in fault.keys]
+
+    def _at_state(self, state: Dict[str, Any]) -> None:
+        for key in self._omitted():
+            state.pop(key, None)
+
+    def _at_loaded(self, state: Dict[str, Any]) -> None:
+        if "data" in self._omitted():  # the position saved without it: its epoch's start
+            state["data"].update(epoch=0, step_in_epoch=0)

@@ -19,9 +19,8 @@ import math
 import statistics
 import sys
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Deque, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,8 +28,6 @@ import torch.distributed as dist
 from common.files import atomic_write
 from train.config import HealthConfig
 from train.errors import TrainingError
-from train.faults import Faults
-from train.preemption import PreemptionFlag
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +61,12 @@ class HealthMonitor:
         self.replicated = replicated  # DDP: every rank holds the same parameters
         self.rollbacks = 0
 
-    def load_skips(self) -> None:
-        """Steps a rollback skipped after the last checkpoint (rank 0 wrote them)."""
+    def load_skips(self, broadcast: Callable[[Any], Any]) -> None:
+        """Add the steps a rollback skipped after the last checkpoint (rank 0 wrote them),
+        and take rank 0's set (`broadcast`), so every rank skips the same global batches."""
         if self.skips_file.exists():
             self.state.skipped |= set(json.loads(self.skips_file.read_text())["skipped"])
+        self.state.skipped = set(broadcast(sorted(self.state.skipped)))
 
     def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
                    stop_requested: bool = False) -> Tuple[Optional[str], bool]:
@@ -159,16 +158,6 @@ def parameter_checksum(model: torch.nn.Module) -> torch.Tensor:
             words = data.view(torch.int64)
         total += words.to(torch.int64).sum().cpu()
     return total.reshape(1).to(next(model.parameters()).device)
-
-
-@dataclass
-class Guard:
-    """What the loop consults each step to keep bad steps from counting."""
-
-    health: "HealthMonitor"
-    faults: Faults
-    watchdog: "Watchdog"
-    preemption: PreemptionFlag
 
 
 class Watchdog:

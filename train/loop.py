@@ -17,14 +17,15 @@ from data.dataset import normalize
 from data.ledger import LedgerWriter, open_ledger
 from data.loader import Batch
 from data.metrics import data_metrics, record_batches
-from train.checkpoint import Checkpointing
+from train.checkpoint import Checkpointer
 from train.errors import TrainingError
+from train.faults import NO_FAULTS, FaultHook
 from train.goodput import Goodput
-from train.health import Guard
+from train.health import HealthMonitor, Watchdog
 from train.parallel import gradient_sync, runs_in_lockstep
 from train.preemption import Preempted, PreemptionFlag
-from train.progress import StepProgress
-from train.state import Progress
+from train.progress import ProgressBar
+from train.state import Position
 from train.tracking import NullTracker, describe
 
 log = logging.getLogger(__name__)
@@ -68,92 +69,126 @@ class Window:
         }
 
 
-def fit(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        train_loader_at: Callable[[Progress], torch.utils.data.DataLoader],
-        val_loader: torch.utils.data.DataLoader, plan: LoopPlan, position: Progress,
-        guard: Guard, goodput: Goodput, checkpoints: Optional[Checkpointing] = None,
-        tracker: NullTracker = NullTracker()) -> Dict[str, float]:
+@dataclass
+class Learner:
+    """What learns: the model, its optimizer and the learning-rate schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One trained step and the verdict every rank agreed on."""
+
+    loss: torch.Tensor
+    problem: Optional[str]  # why the step must not count (then it is rolled back)
+    skip_batch: bool  # the problem was the data's: skip this global batch from now on
+    stop: bool  # some rank was asked to stop (preemption)
+
+
+def fit(learner: Learner, loader_at: Callable[[Position], torch.utils.data.DataLoader],
+        val_loader: torch.utils.data.DataLoader, plan: LoopPlan, position: Position,
+        health: HealthMonitor, watchdog: Watchdog, preemption: PreemptionFlag,
+        checkpointer: Optional[Checkpointer], goodput: Goodput,
+        tracker: NullTracker = NullTracker(), faults: FaultHook = NO_FAULTS) -> Dict[str, float]:
     """Train from `position` to `plan.total_steps` optimizer steps; returns the last metrics
-    of each kind."""
+    of each kind. `position` is the one record of where the run is: each step, skip and
+    rollback hands back the next one."""
     last: Dict[str, float] = {}
     goodput.started(position.step)
-    train_loader = train_loader_at(position)
-    batches = iter(train_loader)
-    start = time.perf_counter()
-    window = Window()
-    ledger = open_ledger(plan.audit_ledger)
-    first_step = position.step + 1
-    step = position.step
-    with ledger or nullcontext(), StepProgress(plan.total_steps, position.step) as progress, \
-            guard.watchdog:
-        while step < plan.total_steps:
-            step += 1
-            guard.watchdog.beat()
-            micro_batches, data_wait = fetch_global_batch(batches, plan.grad_accum_steps,
-                                                          window)
-            record_batches(train_loader, micro_batches)
+    loader, began, first_step = loader_at(position), time.perf_counter(), position.step + 1
+    batches, window = iter(loader), Window()
+    with open_ledger(plan.audit_ledger) or nullcontext() as ledger, \
+            ProgressBar(plan.total_steps, position.step) as bar, watchdog:
+        while position.step < plan.total_steps:
+            step = position.step + 1
+            watchdog.beat()
+            micro_batches, data_wait = fetch_global_batch(batches, plan.grad_accum_steps, window)
+            record_batches(loader, micro_batches)
             if step == first_step:
-                first = {"data/first_batch_seconds": time.perf_counter() - start}
-                tracker.log_metrics(first, 0)
-                last.update(first)
-            if guard.health.skipped(step):  # a rollback ruled this global batch out
+                last.update(log_first_batch(tracker, began))
+            if health.skipped(step):  # a rollback ruled this global batch out
                 record_step(ledger, plan, step, micro_batches, loss=None)
-                scheduler.step()
-                position.advance(plan.steps_per_epoch)
+                position = advance(learner, position, plan)
                 goodput.step_done(step, data_wait, stall=0.0)
                 continue
-
-            guard.faults.at_step(step)
-            loss, grad_norm = train_step(model, optimizer, micro_batches, plan)
-            loss = guard.faults.poison_loss(step, loss)
-            guard.faults.after_step(step, model)
-            bad_batch, stop = guard.health.check_step(step, loss, grad_norm,
-                                                      guard.preemption.requested())
-            drift = None if bad_batch else guard.health.check_replicas(step, model)
-            if bad_batch or drift:  # only a bad batch is skipped: drift is not the data's fault
-                began = time.perf_counter()
-                restored = roll_back(bad_batch or drift, step, guard, checkpoints, tracker,
-                                     skip=bool(bad_batch))
-                goodput.rolled_back(step, restored, began)
-                step = restored
-                train_loader = train_loader_at(position)
-                batches, window = iter(train_loader), Window()
+            outcome = run_step(learner, micro_batches, plan, step, health, preemption, faults)
+            if outcome.problem:
+                position = roll_back(outcome, step, health, checkpointer, tracker, goodput)
+                loader, window = loader_at(position), Window()
+                batches = iter(loader)
                 continue
-            window.losses.append(loss)
-            record_step(ledger, plan, step, micro_batches, loss)
-            scheduler.step()
-            position.advance(plan.steps_per_epoch)
-
-            stall = 0.0
-            if checkpoints and checkpoints.due(step, final=step == plan.total_steps or stop):
-                stall = checkpoints.save(step)
-                window.checkpoint_stall_seconds += stall
+            window.losses.append(outcome.loss)
+            record_step(ledger, plan, step, micro_batches, outcome.loss)
+            position = advance(learner, position, plan)
+            last_step = step == plan.total_steps
+            stall = (checkpointer.save(position, last_step=last_step or outcome.stop)
+                     if checkpointer else 0.0)
+            window.checkpoint_stall_seconds += stall
             goodput.step_done(step, data_wait, stall)
-            if stop:
-                stop_for_preemption(step, guard.preemption, checkpoints, goodput)
-
-            if step % plan.log_every_steps == 0 or step == plan.total_steps:
-                steps_in_window = len(window.losses)
-                metrics = window.summary(scheduler.get_last_lr()[0],
-                                         steps_in_window * plan.global_batch_size)
-                metrics.update(data_metrics(train_loader))
-                if checkpoints:
-                    metrics.update(checkpoints.metrics())
-                metrics.update(goodput.metrics())
-                goodput.save()
-                tracker.log_metrics(metrics, step)
-                progress.update(step, metrics)
-                last.update(metrics)
+            if outcome.stop:
+                stop_for_preemption(step, preemption, checkpointer, goodput)
+            if step % plan.log_every_steps == 0 or last_step:
+                last.update(log_window(window, learner, loader, plan, step, checkpointer,
+                                       goodput, tracker, bar))
                 window = Window()
-
-            if step % plan.val_every_steps == 0 or step == plan.total_steps:
-                metrics = evaluate(model, val_loader, plan, guard.watchdog.beat)
-                tracker.log_metrics(metrics, step)
-                log.info("step %d epoch %.2f: %s", step, step / plan.steps_per_epoch,
-                         describe(metrics))
-                last.update(metrics)
+            if step % plan.val_every_steps == 0 or last_step:
+                last.update(validate(learner.model, val_loader, plan, step, watchdog, tracker))
     return last
+
+
+def run_step(learner: Learner, micro_batches: List[Batch], plan: LoopPlan, step: int,
+             health: HealthMonitor, preemption: PreemptionFlag,
+             faults: FaultHook) -> StepOutcome:
+    """Train `step`, then judge it: the health checks' all-reduce also carries this rank's
+    stop request, so every rank agrees on both verdicts."""
+    faults.at("step", step=step)
+    loss, grad_norm = train_step(learner.model, learner.optimizer, micro_batches, plan)
+    faults.at("loss", step=step, loss=loss)
+    faults.at("stepped", step=step, model=learner.model)
+    bad_batch, stop = health.check_step(step, loss, grad_norm, preemption.requested())
+    # Only a bad batch is skipped: replica drift is not the data's fault.
+    drift = None if bad_batch else health.check_replicas(step, learner.model)
+    return StepOutcome(loss, bad_batch or drift, bool(bad_batch), stop)
+
+
+def advance(learner: Learner, position: Position, plan: LoopPlan) -> Position:
+    """The step is done (or skipped): the schedule moves on, and so does the position."""
+    learner.scheduler.step()
+    return position.advanced(plan.steps_per_epoch)
+
+
+def log_first_batch(tracker: NullTracker, began: float) -> Dict[str, float]:
+    """How long the first global batch took to arrive (start-up of the input pipeline)."""
+    first = {"data/first_batch_seconds": time.perf_counter() - began}
+    tracker.log_metrics(first, 0)
+    return first
+
+
+def log_window(window: Window, learner: Learner, loader: torch.utils.data.DataLoader,
+               plan: LoopPlan, step: int, checkpointer: Optional[Checkpointer],
+               goodput: Goodput, tracker: NullTracker, bar: ProgressBar) -> Dict[str, float]:
+    """The metrics of the steps since the last log line: logged, drawn, and returned."""
+    metrics = window.summary(learner.scheduler.get_last_lr()[0],
+                             len(window.losses) * plan.global_batch_size)
+    metrics.update(data_metrics(loader))
+    if checkpointer:
+        metrics.update(checkpointer.metrics())
+    metrics.update(goodput.metrics())
+    goodput.save()
+    tracker.log_metrics(metrics, step)
+    bar.update(step, metrics)
+    return metrics
+
+
+def validate(model: torch.nn.Module, val_loader: torch.utils.data.DataLoader, plan: LoopPlan,
+             step: int, watchdog: Watchdog, tracker: NullTracker) -> Dict[str, float]:
+    metrics = evaluate(model, val_loader, plan, watchdog.beat)
+    tracker.log_metrics(metrics, step)
+    log.info("step %d epoch %.2f: %s", step, step / plan.steps_per_epoch, describe(metrics))
+    return metrics
 
 
 def record_step(ledger: Optional[LedgerWriter], plan: LoopPlan, step: int,
@@ -166,35 +201,38 @@ def record_step(ledger: Optional[LedgerWriter], plan: LoopPlan, step: int,
 
 
 def stop_for_preemption(step: int, preemption: PreemptionFlag,
-                        checkpoints: Optional[Checkpointing], goodput: Goodput) -> NoReturn:
+                        checkpointer: Optional[Checkpointer], goodput: Goodput) -> NoReturn:
     """Every rank, once all agreed to stop after `step` (whose checkpoint has been started):
     wait until that checkpoint is committed, then raise `Preempted`."""
-    if checkpoints:
-        checkpoints.close()  # raises CheckpointError if the save failed
+    if checkpointer:
+        checkpointer.close()  # raises CheckpointError if the save failed
     goodput.save()
     raise Preempted(preemption.signal_name or "a signal to another rank", step,
-                    saved=checkpoints is not None)
+                    saved=checkpointer is not None)
 
 
-def roll_back(problem: str, step: int, guard: Guard, checkpoints: Optional[Checkpointing],
-              tracker: NullTracker, skip: bool) -> int:
+def roll_back(outcome: StepOutcome, step: int, health: HealthMonitor,
+              checkpointer: Optional[Checkpointer], tracker: NullTracker,
+              goodput: Goodput) -> Position:
     """Every rank: back to the newest complete checkpoint, with `step`'s global batch
-    skipped from now on if `skip`. Returns the step the checkpoint was taken at."""
-    guard.health.count_rollback()  # fails the run past health.max_rollbacks
-    if skip:
-        guard.health.skip(step)
-    restored = checkpoints.roll_back() if checkpoints else None
+    skipped from now on if it was the data's fault. Returns the restored position."""
+    began = time.perf_counter()
+    health.count_rollback()  # fails the run past health.max_rollbacks
+    if outcome.skip_batch:
+        health.skip(step)
+    skipped = f"; step {step}'s global batch is skipped" if outcome.skip_batch else ""
+    restored = checkpointer.roll_back() if checkpointer else None
     if restored is None:
-        raise TrainingError(f"{problem}, and no checkpoint to roll back to: run the same "
-                            f"command again (torchrun --max-restarts does it by itself)"
-                            + (f"; step {step}'s global batch will be skipped" if skip else ""))
-    log.warning("%s: rolled back to step %d%s (rollback %d of at most %d)", problem, restored,
-                f"; step {step}'s global batch is skipped" if skip else "",
-                guard.health.rollbacks, guard.health.cfg.max_rollbacks)
-    tracker.log_metrics({"health/rollbacks": float(guard.health.rollbacks)}, step)
-    if skip:
+        raise TrainingError(f"{outcome.problem}, and no checkpoint to roll back to: run the "
+                            f"same command again (torchrun --max-restarts does it by itself)"
+                            + skipped.replace("is skipped", "will be skipped"))
+    log.warning("%s: rolled back to step %d%s (rollback %d of at most %d)", outcome.problem,
+                restored.position.step, skipped, health.rollbacks, health.cfg.max_rollbacks)
+    tracker.log_metrics({"health/rollbacks": float(health.rollbacks)}, step)
+    if outcome.skip_batch:
         tracker.log_metrics({"health/skipped_step": float(step)}, step)
-    return restored
+    goodput.rolled_back(step, restored.position.step, began)
+    return restored.position
 
 
 def fetch_global_batch(batches: Iterator[Batch], grad_accum_steps: int,

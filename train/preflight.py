@@ -17,33 +17,33 @@ import torch.distributed as dist
 
 from train.distributed import World
 from train.errors import PreflightError, TrainingError
-from train.faults import Faults
+from train.faults import NO_FAULTS, FaultHook
 
 log = logging.getLogger(__name__)
 
 
-def device_computes_correctly(device: torch.device, corrupt: bool = False) -> bool:
+def device_computes_correctly(device: torch.device, faults: FaultHook = NO_FAULTS) -> bool:
     """A matrix product on `device` against the same product in float64 on the CPU."""
     gen = torch.Generator().manual_seed(1234)
     a, b = torch.randn(256, 256, generator=gen), torch.randn(256, 256, generator=gen)
     expected = a.double() @ b.double()
     got = (a.to(device) @ b.to(device)).double().cpu()
-    if corrupt:
-        got[17, 42] += 1.0  # what a bad GPU or a flipped bit in its memory looks like
+    faults.at("preflight", result=got)
     # fp32 (or TF32 on CUDA) rounding of 256-term sums stays far below this.
     return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-1))
 
 
-def preflight(world: World, device: torch.device, timeout_s: float, faults: Faults) -> None:
+def preflight(world: World, device: torch.device, timeout_s: float,
+              faults: FaultHook = NO_FAULTS) -> None:
     """Raise PreflightError on a rank whose device or links fail. Healthy ranks learn which
     rank failed (the device verdicts travel in the collective check itself) and stop with
     a TrainingError naming it, so only the broken node reports EXIT_PREFLIGHT."""
     start = time.perf_counter()
     host = socket.gethostname()
-    device_ok = device_computes_correctly(device, corrupt=faults.corrupts_device())
+    device_ok = device_computes_correctly(device, faults)
     verdicts = {}
     for name, group, on in (("training", None, device),
-                            ("checkpoint", world.checkpoint_group, torch.device("cpu"))):
+                            ("checkpoint", world.control_group, torch.device("cpu"))):
         mine = torch.tensor([float(device_ok)], device=on)
         everyone = [torch.zeros_like(mine) for _ in range(world.world_size)]
         work = dist.all_gather(everyone, mine, group=group, async_op=True)

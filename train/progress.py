@@ -13,7 +13,7 @@ from train.tracking import describe
 log = logging.getLogger(__name__)
 
 
-class StepProgress:
+class ProgressBar:
     def __init__(self, total_steps: int, start_step: int = 0) -> None:
         self.total, self.start = total_steps, time.perf_counter()
         self.next_report = start_step
@@ -23,7 +23,7 @@ class StepProgress:
             self.task = self.bar.add_task("train", total=total_steps, completed=start_step,
                                           stats="")
 
-    def __enter__(self) -> "StepProgress":
+    def __enter__(self) -> "ProgressBar":
         if self.bar:
             self.bar.start()
         return self

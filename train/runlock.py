@@ -59,7 +59,7 @@ def _workers(world: World) -> List[str]:
     if world.world_size == 1:
         return [me]
     everyone: List[Optional[str]] = [None] * world.world_size
-    dist.all_gather_object(everyone, me, group=world.checkpoint_group)
+    dist.all_gather_object(everyone, me, group=world.control_group)
     return [str(w) for w in everyone]
 
 
@@ -123,7 +123,7 @@ def hold_run_lock(run_dir: Path, run_name: str, world: World) -> Iterator[None]:
     held = False
     try:
         refusal = _take(fd, path, run_name, workers) if world.rank == 0 else None
-        refusal = broadcast_object(refusal, world.checkpoint_group)
+        refusal = broadcast_object(refusal, world.control_group)
         if refusal:
             raise RunLocked(refusal)
         if world.rank != 0:

@@ -74,28 +74,19 @@ class SchedulerState:
         self.scheduler._last_lr = [g["lr"] for g in self.scheduler.optimizer.param_groups]
 
 
-@dataclass
-class Progress:
-    """Where the run is: optimizer steps done, and the data position they consumed."""
+@dataclass(frozen=True)
+class Position:
+    """Where the run is: optimizer steps done, and the data position they consumed. The loop
+    owns the one current value; checkpoints save it and `read_position` gives it back."""
 
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0  # global batches of `epoch` consumed by the loop
 
-    def advance(self, steps_per_epoch: int) -> None:
-        self.step += 1
-        self.epoch, self.step_in_epoch = divmod(self.step, steps_per_epoch)
-
-
-class TrainerState:
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"step": self.progress.step}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.progress.step = int(state["step"])
+    def advanced(self, steps_per_epoch: int) -> "Position":
+        """The position one optimizer step later."""
+        step = self.step + 1
+        return Position(step, *divmod(step, steps_per_epoch))
 
 
 @dataclass(frozen=True)
@@ -107,25 +98,25 @@ class DataIdentity:
     global_batch_size: int
 
 
-class DataState:
-    """The sampler's position: what the *loop* consumed (never what workers prefetched),
-    with the identity of the order it indexes into, checked on resume."""
+def position_state(position: Position, identity: DataIdentity) -> Dict[str, Any]:
+    """The checkpoint entries for `position`: `trainer` (the step) and `data` (the sampler's
+    position, with the identity of the order it indexes into). Plain data, so a load fills
+    the same dicts in place."""
+    return {"trainer": {"step": position.step},
+            "data": {"epoch": position.epoch, "step_in_epoch": position.step_in_epoch,
+                     **asdict(identity)}}
 
-    def __init__(self, progress: Progress, identity: DataIdentity) -> None:
-        self.progress, self.identity = progress, identity
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.progress.epoch, "step_in_epoch": self.progress.step_in_epoch,
-                **asdict(self.identity)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        saved = {k: int(state[k]) for k in asdict(self.identity)}
-        if saved != asdict(self.identity):
-            raise ConfigError(f"the checkpoint's data order was {saved}, this run's is "
-                              f"{asdict(self.identity)}: resume with the same seed, dataset "
-                              f"and data.global_batch_size, or start a new run (run.name=...)")
-        self.progress.epoch = int(state["epoch"])
-        self.progress.step_in_epoch = int(state["step_in_epoch"])
+def read_position(loaded: Dict[str, Any], identity: DataIdentity) -> Position:
+    """The position `position_state` saved, once loaded; refuses another data order."""
+    data = loaded["data"]
+    saved = {k: int(data[k]) for k in asdict(identity)}
+    if saved != asdict(identity):
+        raise ConfigError(f"the checkpoint's data order was {saved}, this run's is "
+                          f"{asdict(identity)}: resume with the same seed, dataset "
+                          f"and data.global_batch_size, or start a new run (run.name=...)")
+    return Position(int(loaded["trainer"]["step"]), int(data["epoch"]),
+                    int(data["step_in_epoch"]))
 
 
 def _rng_snapshot() -> Dict[str, Any]:

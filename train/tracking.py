@@ -215,7 +215,7 @@ def start_tracker(cfg: LoggerConfig, world: World) -> NullTracker | MLflowTracke
     store that cannot be used ends all of them with one line instead of leaving the others
     waiting for rank 0 in a later collective."""
     tracker = build_tracker(cfg, world.rank)
-    problem = broadcast_object(tracker.check(), world.checkpoint_group)
+    problem = broadcast_object(tracker.check(), world.control_group)
     if problem:
         raise ConfigError(problem)
     return tracker
