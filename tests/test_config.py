@@ -187,3 +187,33 @@ def test_an_out_of_range_value_is_one_line_and_exit_2_before_any_work(tmp_path):
         "error: checkpoint.interval_steps=0 is out of range: it must be >= 1")
     assert "Traceback" not in result.stderr + result.stdout
     assert not list(tmp_path.rglob("datasets"))  # no data generated or read
+
+
+def test_every_local_directory_key_refuses_a_url():
+    """A cache or staging tier is a disk on this node: a URL there would become a relative
+    directory named after the URL, credentials and all."""
+    keys = [key for key, spec, _ in schema_fields() if spec.metadata.get("local_dir")]
+    assert {"data.cache_dir", "checkpoint.staging_dir"} <= set(keys)
+    cfg = compose_config(["+experiment=resnet"])
+    for key in keys:
+        for url in ("http://u:s3cret@127.0.0.1:9/c", "s3://bucket/cache", "file:///tmp/x"):
+            changed = copy.deepcopy(cfg)
+            OmegaConf.update(changed, key, url)
+            with pytest.raises(ConfigError, match=f"^{re.escape(key)}=.* is a URL") as err:
+                validate(changed)
+            assert "s3cret" not in str(err.value)
+        for path in ("/tmp/cache", "relative/cache", None):
+            changed = copy.deepcopy(cfg)
+            OmegaConf.update(changed, key, path)
+            validate(changed)
+
+
+def test_a_url_as_cache_dir_is_one_line_and_exit_2_and_creates_nothing(tmp_path):
+    result = run_train(["+experiment=resnet", "data.cache_dir=http://u:s3cret@127.0.0.1:9/c",
+                        "logger=none", "trainer.device=cpu"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: data.cache_dir=http://127.0.0.1:9/c is a URL: it must be a directory on "
+        "this node's local disk (or null)")
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "http:").exists() and not list(tmp_path.rglob("*s3cret*"))

@@ -111,10 +111,18 @@ def bounded(default: Any, **bounds: float) -> Any:
     return field(default=default, metadata=metadata)
 
 
+def local_dir(default: Optional[str]) -> Any:
+    """A schema field naming a directory on this node's own disk (a cache, a staging tier):
+    `validate` refuses a URL there, which would otherwise become a relative local path named
+    after the URL, credentials included."""
+    return field(default=default, metadata={"local_dir": True})
+
+
 def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -> None:
-    """Raise `ConfigError` naming the first numeric key outside its `Bounds`: the key, the
-    value and the allowed range, in one line. Hydra builds the config without running any
-    dataclass code, so this walks the composed config against the schema's fields."""
+    """Raise `ConfigError` naming the first numeric key outside its `Bounds`, or the first
+    `local_dir` key given a URL: the key, the value and the fix, in one line. Hydra builds
+    the config without running any dataclass code, so this walks the composed config
+    against the schema's fields."""
     schema = schema or Config
     types = get_type_hints(schema)
     for spec in dataclasses.fields(schema):
@@ -122,6 +130,9 @@ def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -
         if dataclasses.is_dataclass(types[spec.name]):
             validate(cfg[spec.name], types[spec.name], f"{key}.")
             continue
+        if spec.metadata.get("local_dir") and "://" in str(cfg[spec.name] or ""):
+            raise ConfigError(f"{key}={strip_credentials(str(cfg[spec.name]))} is a URL: it "
+                              f"must be a directory on this node's local disk (or null)")
         if "bounds" not in spec.metadata:
             continue
         bounds: Bounds = spec.metadata["bounds"]
@@ -193,7 +204,7 @@ class DataConfig:
     root: str = "${.synthetic.dir}"  # a folder (mounted volume) or an fsspec URL
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # The node cache on local disk, shared by all ranks and workers of a node; null = none.
-    cache_dir: Optional[str] = "${run.root}/${run.name}/data_cache"
+    cache_dir: Optional[str] = local_dir("${run.root}/${run.name}/data_cache")
     # Hard budget, 10^9 bytes; least recently used files go
     cache_limit_gb: float = bounded(50.0, gt=0)
     on_bad_file: OnBadFile = OnBadFile.skip  # a corrupt/unreadable file: skip it, or fail
@@ -278,7 +289,7 @@ class CheckpointConfig:
     dir: str = "${run.root}/${run.name}/checkpoints"
     # The fast local tier (NVMe): DCP writes here, a background upload copies to `dir`.
     # null = write straight to `dir` (right when `dir` is itself a local disk).
-    staging_dir: Optional[str] = None
+    staging_dir: Optional[str] = local_dir(None)
     interval_steps: int = bounded(100, ge=1)
     auto_interval: bool = False  # choose the interval by Young/Daly from the measured stall
     mtbf_hours: float = bounded(4.0, gt=0)  # mean time between failures of the whole job
