@@ -11,6 +11,7 @@ import copyreg
 import io
 import json
 import logging
+import pathlib
 import pickle
 import struct
 import sys
@@ -20,7 +21,10 @@ from typing import List, Tuple
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                     Metadata, MetadataIndex, StorageMeta,
+                                                     TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from checkpointing import commit, export, safe_load, verify
@@ -171,6 +175,91 @@ def test_real_metadata_loads_and_forged_shapes_are_refused(tmp_path):
     for data in forged:
         with pytest.raises(UnsafeCheckpointError):
             load_metadata(io.BytesIO(data))
+
+
+def text_global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+# Live objects a file can reach through allowed names, each as the opcodes that put it on the
+# stack: the allowed classes and function themselves, and the shared values they hand out.
+_REACHABLE = {
+    **{f"{module}.{name}": text_global(module, name) for module, name in safe_load._ALLOWED},
+    "torch.strided": text_global("torch.serialization", "_get_layout")
+    + b"(S'torch.strided'\ntR",
+    "_MEM_FORMAT_ENCODING(0)": text_global("torch.distributed.checkpoint.metadata",
+                                           "_MEM_FORMAT_ENCODING") + b"(I0\ntR",
+    "torch.Size(())": text_global("torch", "Size") + b"((ttR",
+    "PosixPath('/x')": text_global("pathlib", "PosixPath") + b"(S'/x'\ntR",
+}
+
+
+def build_states(proto: int, attr: str) -> List[bytes]:
+    """BUILD's two forms, a dict (instance `__dict__`) and (None, slotstate) (setattr), in
+    the protocol's own opcodes."""
+    if proto == 0:
+        pair = b"S'" + attr.encode() + b"'\nN"
+        return [b"(d" + pair + b"s", b"(N(d" + pair + b"st"]
+    pair = push_str(attr) + b"N"
+    return [b"}" + pair + b"s", b"N}" + pair + b"s\x86"]
+
+
+def live_state() -> dict:
+    """What BUILD could change: every allowed object's and shared value's own attributes."""
+    objects = [*safe_load._ALLOWED.values(), *safe_load._LAYOUTS.values(),
+               *list(safe_load._ALLOWED[("torch.distributed.checkpoint.metadata",
+                                         "_MEM_FORMAT_ENCODING")])]
+    return {id(o): dict(vars(o)) for o in objects if hasattr(o, "__dict__")}
+
+
+@pytest.mark.parametrize("proto", [0, 2, 4, 5])
+def test_build_never_changes_an_allowed_class_or_shared_value(proto):
+    """BUILD sets attributes on whatever is on the stack: on an allowed class it would
+    rewrite the trainer's own classes for the whole process (`PosixPath.__fspath__ = None`)."""
+    before = live_state()
+    for target, push in _REACHABLE.items():
+        for attr in ["__fspath__", "__init__", "__setstate__", "planted"]:
+            for state in build_states(proto, attr):
+                payload = header(proto) + push + state + b"b."
+                with pytest.raises(UnsafeCheckpointError, match="refusing"):
+                    load_metadata(io.BytesIO(payload))
+                assert live_state() == before, (target, attr, state)
+    assert pathlib.PosixPath("/x").__fspath__() == "/x"
+
+
+def record(proto: int, cls: type, state: bytes) -> bytes:
+    g = push_global(proto, "STACK_GLOBAL" if proto >= 4 else "GLOBAL", cls.__module__,
+                    cls.__name__)
+    return header(proto) + g + b")\x81" + state + b"b."
+
+
+@pytest.mark.parametrize("proto", [2, 4, 5])
+def test_a_record_takes_only_its_own_fields(proto):
+    """A state naming anything but the record's fields (`__setstate__` put on the instance
+    would be called by the next BUILD) or given as slots is refused."""
+    for state in [b"}" + push_str("__setstate__") + push_str("x") + b"s",
+                  b"}" + push_str("planted") + b"Ns", b"N}" + push_str("offset") + b"Ks\x86",
+                  b"N"]:
+        with pytest.raises(UnsafeCheckpointError, match="refusing"):
+            load_metadata(io.BytesIO(record(proto, _StorageInfo, state)))
+
+
+@pytest.mark.parametrize("proto", [2, 4, 5])
+def test_metadata_as_dcp_writes_it_loads(proto):
+    """Every record and value DCP's `.metadata` holds still loads: its own BUILDs pass."""
+    chunk = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))
+    metadata = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16,
+                                                        memory_format=torch.channels_last),
+                                       torch.Size([2, 3]), [chunk]),
+            "step": BytesStorageMetadata()},
+        storage_data={MetadataIndex("w", torch.Size([0, 0]), 0): _StorageInfo("__0_0.distcp",
+                                                                                0, 24),
+                      MetadataIndex("step"): _StorageInfo("__0_0.distcp", 24, 8)},
+        storage_meta=StorageMeta(checkpoint_id=pathlib.PosixPath("/ck/step_1")))
+    loaded = load_metadata(io.BytesIO(pickle.dumps(metadata, protocol=proto)))
+    assert loaded == metadata
 
 
 def test_metadata_over_the_size_limit_is_refused_unread(monkeypatch):
