@@ -217,3 +217,24 @@ def test_a_url_as_cache_dir_is_one_line_and_exit_2_and_creates_nothing(tmp_path)
         "this node's local disk (or null)")
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "http:").exists() and not list(tmp_path.rglob("*s3cret*"))
+
+
+def test_an_image_size_that_would_exhaust_memory_is_refused():
+    """Every image is resized to `image_size` squared in a data worker: 100000 asks for
+    30 GB per image and dies with a traceback, retried by torchrun."""
+    cfg = compose_config(["+experiment=resnet", "data.image_size=100000"])
+    with pytest.raises(ConfigError, match="data.image_size=100000 is out of range"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../../escaped", "a/b", "/abs", "a\0b",
+                                  pytest.param("x" * 300, id="long")])
+def test_a_run_name_that_is_not_one_directory_is_refused(name):
+    """The run writes into run.root/run.name: a name with a '/' or '..' lands outside
+    run.root, an empty one or '.' in run.root itself, among other runs."""
+    cfg = compose_config(["+experiment=resnet"])
+    cfg.run.name = name
+    with pytest.raises(ConfigError, match="run.name=.* it must be one plain directory name"):
+        validate(cfg)
+    cfg.run.name = "resnet-optim.lr=0.1"
+    validate(cfg)

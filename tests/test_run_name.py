@@ -37,6 +37,12 @@ def test_override_order_does_not_matter_and_paths_stay_one_directory():
     assert "/" not in a
 
 
+def test_a_key_given_twice_counts_once_with_its_last_value():
+    """Hydra applies the last of repeated overrides: the name records that one alone."""
+    assert name(["optim.lr=0.2", "seed=3", "optim.lr=0.5"]) == name(["seed=3", "optim.lr=0.5"])
+    assert name(["seed=3", "+seed=4"]) == name(["seed=4"])
+
+
 def test_multirun_jobs_keep_every_swept_key():
     # A sweep over an otherwise ignored key must not put two jobs in one directory.
     jobs = {name(["trainer.max_steps=5", f"data.num_workers={w}"], multirun=True)

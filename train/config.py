@@ -118,9 +118,31 @@ def local_dir(default: Optional[str]) -> Any:
     return field(default=default, metadata={"local_dir": True})
 
 
+def dir_name(default: str) -> Any:
+    """A schema field naming one directory inside another (the run inside `run.root`):
+    `validate` refuses a value that would land elsewhere (`..`, a `/`) or in the parent
+    itself (empty, `.`)."""
+    return field(default=default, metadata={"dir_name": True})
+
+
+MAX_DIR_NAME = 200  # file systems allow 255 bytes; leave room for a suffix
+
+
+def _dir_name_problem(value: Any) -> Optional[str]:
+    text = str(value) if value is not None else ""
+    if text in ("", ".", ".."):
+        return "is empty, '.' or '..'"
+    if "/" in text or "\0" in text:
+        return "holds a '/' or a NUL"
+    if len(text.encode()) > MAX_DIR_NAME:
+        return f"is over {MAX_DIR_NAME} bytes"
+    return None
+
+
 def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -> None:
     """Raise `ConfigError` naming the first numeric key outside its `Bounds`, or the first
-    `local_dir` key given a URL: the key, the value and the fix, in one line. Hydra builds
+    `local_dir` key given a URL, or a `dir_name` key that is not one plain directory name:
+    the key, the value and the fix, in one line. Hydra builds
     the config without running any dataclass code, so this walks the composed config
     against the schema's fields."""
     schema = schema or Config
@@ -133,6 +155,10 @@ def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -
         if spec.metadata.get("local_dir") and "://" in str(cfg[spec.name] or ""):
             raise ConfigError(f"{key}={strip_credentials(str(cfg[spec.name]))} is a URL: it "
                               f"must be a directory on this node's local disk (or null)")
+        problem = spec.metadata.get("dir_name") and _dir_name_problem(cfg[spec.name])
+        if problem:
+            raise ConfigError(f"{key}={ascii(strip_credentials(str(cfg[spec.name]))[:80])} "
+                              f"{problem}: it must be one plain directory name")
         if "bounds" not in spec.metadata:
             continue
         bounds: Bounds = spec.metadata["bounds"]
@@ -174,7 +200,7 @@ DEFAULT_RUN_NAME_EXCLUDES = [
 @dataclass
 class RunConfig:
     # The run's identity: the same name lands in the same output directory (and resumes).
-    name: str = "${goodput.run_name:}"
+    name: str = dir_name("${goodput.run_name:}")
     root: str = "outputs"
     exclude_keys: List[str] = field(default_factory=lambda: list(DEFAULT_RUN_NAME_EXCLUDES))
 
@@ -220,7 +246,9 @@ class DataConfig:
     # Threads (0: none) fetching upcoming files into the cache
     prefetch_threads: int = bounded(16, ge=0)
     prefetch_batches: int = bounded(8, ge=1)  # how many batches ahead those threads fetch
-    image_size: int = bounded(64, ge=8)
+    # Far above any model's input: the bound stops a typo (100000) from allocating tens of GB
+    # per image inside a data worker.
+    image_size: int = bounded(64, ge=8, le=4096)
     crop_scale_min: float = bounded(0.35, gt=0, le=1)  # RandomResizedCrop's lower area bound
     # A file whose header declares more pixels (width x height) is a bad file, refused before
     # it is decoded: a 1.4 KB JPEG can declare 30000x30000 and take gigabytes to decode.
@@ -378,8 +406,10 @@ def default_run_name(experiment: Optional[str], overrides: List[str], excludes: 
     `keep_excluded` is set for multirun jobs: a sweep over an otherwise ignored key must
     still give every job its own directory, so only `LOCATION_KEYS` are dropped.
     """
+    # A key given twice counts once, with its last value, as Hydra applies it.
+    last = {override.lstrip("+~").partition("=")[0]: override for override in overrides}
     kept = []
-    for override in overrides:
+    for override in last.values():
         key, has_value, value = override.lstrip("+~").partition("=")
         if key == "experiment" or _matches(key, LOCATION_KEYS):
             continue
