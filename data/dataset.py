@@ -26,7 +26,8 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 from data.cache import Lookup, NodeCache, cache_key
-from data.decode import DEFAULT_MAX_PIXELS, BadImageError, decode
+from data.decode import (DEFAULT_MAX_PIXELS, NOT_AN_IMAGE, BadImageError, decode,
+                         looks_like_an_image)
 from data.errors import DatasetError, OnBadFile
 from data.index import DatasetIndex
 from data.sampler import Key, derive_seed
@@ -98,8 +99,13 @@ class JpegFolderDataset(torch.utils.data.Dataset):
         return cache_key(self.volume.path(self.index.name(i)), int(self.index.sizes[i]))
 
     def fetch(self, i: int) -> bytes:
-        """Sample i's bytes from the volume (BadFileError when it cannot be read)."""
-        return self.volume.read(self.index.name(i))
+        """Sample i's bytes from the volume; BadFileError when it cannot be read or is no
+        image. Every fill of the cache comes through here, so a file that is not an image
+        (a hostile dataset's link to a key or a password file) is never written anywhere."""
+        data = self.volume.read(self.index.name(i))
+        if not looks_like_an_image(data):
+            raise BadFileError(NOT_AN_IMAGE)
+        return data
 
     def read_bytes(self, i: int) -> Tuple[Union[bytes, bytearray], Lookup]:
         if self.cache is None:

@@ -9,7 +9,8 @@ which kills a DataLoader worker on every restart.
 
 Before any decoder allocates, the size the file *declares* is read from its header and a file
 over `max_pixels` is refused: a 1.4 KB JPEG may declare 30000x30000, and its decode then
-allocates gigabytes (filling what it cannot decode with grey).
+allocates gigabytes (filling what it cannot decode with grey). So is a JPEG with more scans
+than any real one has, each of which the decoder would pay for over the whole image.
 
 libjpeg reports corrupt entropy-coded data ("Corrupt JPEG data: premature end of data
 segment") only as a line on stderr, and decodes the file anyway; torchvision offers no way to
@@ -42,12 +43,24 @@ PIL_FORMATS = ("PNG", "PPM", "BMP", "TIFF", "WEBP")
 # PIL's own decompression-bomb threshold (Image.MAX_IMAGE_PIXELS): 1024 * 1024 * 1024 // 12.
 DEFAULT_MAX_PIXELS = 89_478_485
 
+# The leading bytes of each format decoded here (PIL's own tests for PNG, PPM, BMP, TIFF and
+# WEBP). Bytes without one are no image: they are refused before they are cached or decoded.
+_SIGNATURES = (b"\xff\xd8", b"\x89PNG\r\n\x1a\n", b"BM", b"MM\x00*", b"II*\x00", b"MM*\x00",
+               b"II\x00*", b"MM\x00+", b"II+\x00", *(b"P" + bytes([c]) for c in b"0123456fy"))
+NOT_AN_IMAGE = ("not an image (its first bytes are those of no JPEG, PNG, PPM, BMP, TIFF or "
+                "WEBP file)")
+
 # Frame headers (SOF0..SOF15) carry the size; C4 (DHT), C8 (JPG) and CC (DAC) are not frames.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM, RST0..7: no length
 # A real JPEG has a few dozen segments before its frame header; a hostile one may claim
 # millions of tiny ones. Past this many, stop reading and call the header corrupt.
 _MAX_HEADER_SEGMENTS = 1024
+# A progressive JPEG refines the whole image once per scan, and libjpeg decodes every scan it
+# is given, valid or not: a 141-byte scan repeated 3000 times in a 740 KB file costs 38 s of
+# CPU per decode. A real progressive JPEG has about ten scans (libjpeg's default script),
+# a baseline one one per component; past this many, the file is refused before decoding.
+MAX_JPEG_SCANS = 256
 # libjpeg's warnings that mean "the pixels are not what the file's author encoded". Only the
 # first warning of a decode is printed, so one decode writes at most one such line.
 _CORRUPT_LINE = re.compile(
@@ -58,6 +71,12 @@ _CORRUPT_LINE = re.compile(
 
 class BadImageError(ValueError):
     """These bytes are not a usable image; the message says why (one line)."""
+
+
+def looks_like_an_image(data: Buffer) -> bool:
+    """Whether `data` starts as a file of a format decoded here does (its magic bytes)."""
+    return (bytes(data[:8]).startswith(_SIGNATURES)
+            or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"))
 
 
 def jpeg_problem(data: Buffer) -> Optional[str]:
@@ -105,6 +124,14 @@ def jpeg_dimensions(data: Buffer) -> Tuple[int, int]:
     raise BadImageError("corrupt JPEG header (no frame header before the image data)")
 
 
+def jpeg_scans(data: Buffer) -> int:
+    """How many scans the JPEG holds, at most. Entropy-coded data never holds the bytes
+    FF DA (an FF there is followed by 00 or a restart marker), so every start-of-scan marker
+    is counted, plus any FF DA inside a metadata segment (an EXIF thumbnail's own scans):
+    an upper bound, found at memory speed whatever the file's structure."""
+    return data.count(b"\xff\xda")
+
+
 def check_pixels(width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise BadImageError(f"declares {width}x{height} pixels, more than "
@@ -125,6 +152,10 @@ def _decode_jpeg(data: Buffer, max_pixels: int) -> torch.Tensor:
         raise BadImageError(problem)
     height, width = jpeg_dimensions(data)
     check_pixels(width, height, max_pixels)
+    scans = jpeg_scans(data)
+    if scans > MAX_JPEG_SCANS:
+        raise BadImageError(f"a JPEG of {scans} scans, more than {MAX_JPEG_SCANS} (a real one "
+                            f"has about ten; each is a pass over the whole image: a CPU bomb)")
     # frombuffer wants a writable buffer; a cache hit already is a fresh one.
     buffer = data if isinstance(data, bytearray) else bytearray(data)
     try:

@@ -23,6 +23,7 @@ from PIL import Image
 import data.decode
 from data import synthetic
 from data.decode import BadImageError, decode, jpeg_dimensions
+from data.cache import NodeCache
 from data.errors import DatasetError
 from data.index import DatasetIndex, list_split, load_or_build
 from data.loader import VolumeLoader
@@ -125,6 +126,31 @@ print(batch.stats.tolist()[3], len(batch.indices), grown // 1024)
     assert (bad, good) == (1, 1)
     assert grown_mb < 200, f"peak RSS grew {grown_mb} MB decoding a 2 KB file"
     assert f"declares {BOMB_SIDE}x{BOMB_SIDE}" in out.stderr
+
+
+def jpeg_with_scans(progressive: bool, extra: int) -> bytes:
+    """A real JPEG with its last scan repeated `extra` more times before the end marker."""
+    jpeg = pixels(Image.new("RGB", (64, 48), (10, 200, 30)), "JPEG", progressive=progressive)
+    scan = jpeg[jpeg.rindex(b"\xff\xda"):-2]
+    return jpeg[:-2] + scan * extra + b"\xff\xd9"
+
+
+@pytest.mark.parametrize("progressive", [True, False])
+def test_a_jpeg_with_more_scans_than_any_real_one_is_a_bad_file_never_decoded(
+        progressive, monkeypatch, tmp_path):
+    """Each scan costs a pass over the whole image, however few bytes it takes."""
+    assert decode(jpeg_with_scans(progressive, 0)).shape == (3, 48, 64)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the decoder ran on a JPEG with too many scans")
+
+    monkeypatch.setattr(data.decode, "decode_jpeg", no_decoding)
+    for extra in (data.decode.MAX_JPEG_SCANS, 3000):
+        with pytest.raises(BadImageError, match=r"a JPEG of \d+ scans, more than "):
+            decode(jpeg_with_scans(progressive, extra))
+    root = image_tree(tmp_path / "r", {"val/a/scans.jpg": jpeg_with_scans(progressive, 3000)})
+    ds = open_dataset(Volume(str(root)), "val", None, 16, train=False, seed=0)
+    assert ds[(0, 0)].image is None
 
 
 def test_hostile_jpeg_headers_end_in_a_bad_file_quickly():
@@ -271,6 +297,37 @@ def test_symlinked_class_folders_and_files_are_followed_and_broken_links_left_ou
     assert "broken links: 3" in index.left_out and "subfolders: 1" in index.left_out
     assert list(index.sizes) == [os.stat(root / index.name(i)).st_size
                                  for i in range(len(index))]  # the target's size
+
+
+SECRET_FILES = {  # what a hostile dataset's link may point at: none starts like an image
+    "passwd": b"root:x:0:0:root:/root:/bin/bash\nSECRET-PASSWD-LINE\n",
+    "id_rsa": b"-----BEGIN OPENSSH PRIVATE KEY-----\nSECRET-KEY-BODY\n",
+    "binary": bytes(range(256)) + b"SECRET-BINARY",
+    "near-miss": b"P9 SECRET-NEAR-MISS",  # "P" then a digit no PPM has
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_link_to_a_non_image_secret_is_a_bad_file_and_never_cached(tmp_path, workers):
+    """Prefetch threads and decoding workers both fill the cache: neither may store the
+    bytes of a file that is no image (here: links to files outside the dataset)."""
+    root = image_tree(tmp_path / "r", {"train/a/1.jpg": a_jpeg(1), "train/a/2.jpg": a_jpeg(2)})
+    outside = image_tree(tmp_path / "home", {name: payload
+                                             for name, payload in SECRET_FILES.items()})
+    for name in SECRET_FILES:
+        os.symlink(outside / name, root / "train" / "a" / f"{name}.jpg")
+    (root / "train" / "a" / "plain.jpg").write_bytes(b"SECRET-PLAIN-TEXT, not a link")
+    cache = NodeCache(tmp_path / "cache", 10 ** 8)
+    ds = open_dataset(Volume(str(root)), "train", cache, 16, train=True, seed=0)
+    assert len(ds) == 7
+    keys = [[(0, i) for i in range(len(ds))]] * 2
+    batches = list(VolumeLoader(ds, keys, workers, prefetch_threads=4, prefetch_batches=2))
+    assert [int(b.stats[3]) for b in batches] == [5, 5]
+    assert [len(b.indices) for b in batches] == [2, 2]
+    stored = b"".join(p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    assert a_jpeg(1) in stored  # the images were cached: the check below can see a copy
+    for payload in [*SECRET_FILES.values(), b"SECRET-PLAIN-TEXT"]:
+        assert payload not in stored
 
 
 # --- item 8: train and val classes ---------------------------------------------------------------
