@@ -84,8 +84,14 @@ class Volume:
     _pid: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        url, options = fsspec_target(self.url)
-        self._root = fsspec.core.url_to_fs(url, **options)[1].rstrip("/")
+        try:
+            url, options = fsspec_target(self.url)
+            self._root = fsspec.core.url_to_fs(url, **options)[1].rstrip("/")
+        except (ValueError, ImportError) as err:  # unknown protocol, or its package missing
+            raise DatasetError(
+                f"cannot open data.root={strip_credentials(self.url)}: "
+                f"{strip_credentials(str(err).splitlines()[0])} (a URL needs its fsspec "
+                f"package, e.g. s3fs for s3://)") from None
 
     @property
     def fs(self) -> Any:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.launch import run_train
+from support.launch import PYTHON, launch, run_train, wait_for
 from support.runs import tiny_overrides
 
 
@@ -102,3 +103,18 @@ def test_a_resumed_run_keeps_logging_into_the_same_mlflow_run(tmp_path, tiny_roo
     assert run.data.tags["resumed"] == "true"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == [2, 3, 4, 6, 8]  # the second life logged on from step 4
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path, tiny_root):
+    """Before training routes SIGINT to a checkpoint, Ctrl-C lands in whatever import runs
+    (here torch's, seconds long): one line, no KeyboardInterrupt traceback."""
+    proc = launch(PYTHON, ["-m", "train", "+experiment=resnet", *tiny_overrides(tiny_root),
+                           "logger=none", f"run.root={tmp_path}"],
+                  cwd=tmp_path, stderr_apart=True)
+    maps = Path(f"/proc/{proc.pid}/maps")
+    wait_for(lambda: "torch" in maps.read_text(), "torch to load", proc=proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == ["interrupted before training started: nothing to save"]
+    assert "Traceback" not in out

@@ -14,7 +14,7 @@ from typing import Iterator, List
 import pytest
 
 from data.redact import CredentialFilter, strip_credentials
-from support.launch import run_train
+from support.launch import PYTHON, launch, run_train
 from support.runs import tiny_overrides
 
 USER, PASSWORD = "user", "s3cret"
@@ -119,3 +119,34 @@ def test_the_log_filter_strips_messages_arguments_and_tracebacks() -> None:
     text = logging.Formatter().format(record)
     assert "s3cret" not in text
     assert "listing http://h/a failed" in text and "cannot open http://h/c" in text
+
+
+@pytest.mark.parametrize("root", ["bogus://user:s3cret@host/x", "s3://user:s3cret@bucket/x"])
+def test_a_data_root_fsspec_cannot_open_is_a_dataset_error(root):
+    """An unknown protocol or a missing fsspec package is the user's to fix (exit 2, one
+    line), not a crash that torchrun retries; the message carries no password."""
+    from data.errors import DatasetError
+    from data.volume import Volume
+
+    with pytest.raises(DatasetError, match="cannot open data.root=") as caught:
+        Volume(root)
+    assert PASSWORD not in str(caught.value)
+
+
+def test_an_unexpected_crash_prints_one_line_without_credentials(tiny_root, tmp_path):
+    """Left to Hydra, any exception nobody anticipated prints `Error executing job with
+    overrides: [...]` with every override verbatim, straight to stderr."""
+    secret_uri = f"http://{USER}:{PASSWORD}@127.0.0.1:9/mlflow"  # unused with logger=none
+    proc = launch(PYTHON, ["-m", "train", "+experiment=resnet", *tiny_overrides(tiny_root),
+                           "model=tiny_cnn", "trainer.device=cpu", "trainer.max_steps=2",
+                           "logger=none", f"logger.tracking_uri={secret_uri}",
+                           f"run.root={tmp_path / 'runs'}", "checkpoint.enabled=false"],
+                  fault="raise:step=1", cwd=tmp_path, stderr_apart=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if not line.startswith("[")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: InjectedFault: injected exception at step 1"), err[-3000:]
+    assert PASSWORD not in out + err and "Traceback" not in out + err
+    log = next((tmp_path / "runs").rglob("train.log")).read_text()
+    assert "Traceback" in log and "InjectedFault" in log and PASSWORD not in log

@@ -3,14 +3,34 @@
 Under torchrun every rank runs this with the same arguments (train/launch.py).
 """
 
+import signal
 import sys
+from types import FrameType
+from typing import NoReturn, Optional
 
-import hydra
-from omegaconf import DictConfig
+# Exit status of a process stopped by SIGINT (128 + 2), as a shell reports it.
+EXIT_INTERRUPTED = 130
 
-from train.config import register_configs, validate
-from train.errors import EXIT_CONFIG, ConfigError
-from train.launch import refuse_multirun_under_torchrun
+
+def _interrupted(signum: int, frame: Optional[FrameType]) -> None:
+    """Ctrl-C before training routes signals to a checkpoint (train/preemption.py): nothing
+    has been trained, so one line instead of a KeyboardInterrupt traceback from whatever
+    import was running."""
+    print("interrupted before training started: nothing to save", file=sys.stderr)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
+signal.signal(signal.SIGINT, _interrupted)  # first: the imports below take seconds
+
+import logging  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from data.redact import strip_credentials  # noqa: E402
+from train.config import register_configs, validate  # noqa: E402
+from train.errors import EXIT_CONFIG, ConfigError  # noqa: E402
+from train.launch import refuse_multirun_under_torchrun  # noqa: E402
 
 register_configs()
 
@@ -20,19 +40,38 @@ register_configs()
 _entered = False
 
 
+def _unexpected(err: Exception) -> NoReturn:
+    """An error nobody anticipated: its traceback goes to the log file alone (through the
+    handler's credential filter), the console gets one line without credentials. Left to
+    Hydra, it would print every override verbatim, a password in `data.root` included."""
+    log = logging.getLogger("train")
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "unexpected error", None,
+                            sys.exc_info())
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    what = strip_credentials(str(err).strip().splitlines()[0]) if str(err).strip() else ""
+    print(f"error: {type(err).__name__}{': ' if what else ''}{what} (unexpected: the "
+          f"traceback is in the run's log file)", file=sys.stderr)
+    raise SystemExit(1)  # not EXIT_CONFIG: it may be transient, a restart may help
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     global _entered
     _entered = True
     refuse_multirun_under_torchrun()
     try:
-        validate(cfg)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG) from None
-    from train.app import run  # torch and friends load after the config is known to be good
+        try:
+            validate(cfg)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG) from None
+        from train.app import run  # torch and friends load after the config is known to be good
 
-    run(cfg)
+        run(cfg)
+    except Exception as err:  # noqa: BLE001  anything run() does not turn into one line
+        _unexpected(err)
 
 
 if __name__ == "__main__":
