@@ -122,9 +122,9 @@ class JpegFolderDataset(torch.utils.data.Dataset):
             return self.bad_file(i, label, str(err), Lookup(False, 0))
         try:
             image = decode(data, self.max_pixels)
+            image = self.augment(image, epoch, i) if self.train else self.center(image)
         except BadImageError as err:
             return self.bad_file(i, label, str(err), lookup)
-        image = self.augment(image, epoch, i) if self.train else self.center(image)
         return Sample(image, label, i, lookup)
 
     def bad_file(self, i: int, label: int, problem: str, lookup: Lookup) -> Sample:
@@ -150,8 +150,18 @@ class JpegFolderDataset(torch.utils.data.Dataset):
         return image
 
     def center(self, image: torch.Tensor) -> torch.Tensor:
-        # The usual eval recipe: resize the short side to size/0.875, take the centre.
-        image = F.resize(image, [int(self.image_size / 0.875)], antialias=True)
+        """The usual eval recipe: resize the short side to size/0.875, take the centre.
+        The resize allocates the whole resized image, so its size is checked first
+        (BadImageError past `max_pixels`)."""
+        short_side = int(self.image_size / 0.875)
+        height, width = image.shape[-2:]
+        # torchvision's own rounding of the long side.
+        resized = short_side * int(short_side * max(height, width) / min(height, width))
+        if resized > self.max_pixels:
+            raise BadImageError(f"resizing its {width}x{height} pixels to a short side of "
+                                f"{short_side} would make {resized} pixels, more than "
+                                f"data.max_image_pixels={self.max_pixels}")
+        image = F.resize(image, [short_side], antialias=True)
         return F.center_crop(image, [self.image_size, self.image_size])
 
 

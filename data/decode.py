@@ -50,6 +50,10 @@ _SIGNATURES = (b"\xff\xd8", b"\x89PNG\r\n\x1a\n", b"BM", b"MM\x00*", b"II*\x00",
 NOT_AN_IMAGE = ("not an image (its first bytes are those of no JPEG, PNG, PPM, BMP, TIFF or "
                 "WEBP file)")
 
+# Real photographs, panoramas included, are within 1:10. A 1x2000000 PNG is 8 KB and under any
+# pixel limit, yet resizing its short side to 36 pixels makes 36x72000000.
+MAX_ASPECT_RATIO = 64
+
 # Frame headers (SOF0..SOF15) carry the size; C4 (DHT), C8 (JPG) and CC (DAC) are not frames.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _STANDALONE_MARKERS = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM, RST0..7: no length
@@ -132,11 +136,17 @@ def jpeg_scans(data: Buffer) -> int:
     return data.count(b"\xff\xda")
 
 
-def check_pixels(width: int, height: int, max_pixels: int) -> None:
+def check_size(width: int, height: int, max_pixels: int) -> None:
+    """Refuse a declared size that no decode, or no resize of the decoded image, should be
+    allowed to allocate for."""
     if width * height > max_pixels:
         raise BadImageError(f"declares {width}x{height} pixels, more than "
                             f"data.max_image_pixels={max_pixels} (a decompression bomb, or "
                             f"raise data.max_image_pixels)")
+    if min(width, height) == 0 or max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise BadImageError(f"declares {width}x{height} pixels, one side more than "
+                            f"{MAX_ASPECT_RATIO} times the other (resizing its short side to "
+                            f"the model's input would take gigabytes)")
 
 
 def decode(data: Buffer, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
@@ -151,7 +161,7 @@ def _decode_jpeg(data: Buffer, max_pixels: int) -> torch.Tensor:
     if problem is not None:
         raise BadImageError(problem)
     height, width = jpeg_dimensions(data)
-    check_pixels(width, height, max_pixels)
+    check_size(width, height, max_pixels)
     scans = jpeg_scans(data)
     if scans > MAX_JPEG_SCANS:
         raise BadImageError(f"a JPEG of {scans} scans, more than {MAX_JPEG_SCANS} (a real one "
@@ -186,7 +196,7 @@ def _decode_pil(data: Buffer, max_pixels: int) -> torch.Tensor:
         raise BadImageError(f"not a JPEG, nor an image PIL reads as "
                             f"{', '.join(f.lower() for f in PIL_FORMATS)} "
                             f"({one_line(err)})") from None
-    check_pixels(*image.size, max_pixels)
+    check_size(*image.size, max_pixels)
     try:
         # ImageFile.LOAD_TRUNCATED_IMAGES stays False: a truncated file raises here.
         return F.pil_to_tensor(image.convert("RGB"))

@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+import data.dataset
 import data.decode
 from data import synthetic
 from data.decode import BadImageError, decode, jpeg_dimensions
@@ -151,6 +152,55 @@ def test_a_jpeg_with_more_scans_than_any_real_one_is_a_bad_file_never_decoded(
     root = image_tree(tmp_path / "r", {"val/a/scans.jpg": jpeg_with_scans(progressive, 3000)})
     ds = open_dataset(Volume(str(root)), "val", None, 16, train=False, seed=0)
     assert ds[(0, 0)].image is None
+
+
+ELONGATED = [(1, 300_000), (300_000, 1), (2, 300_000), (300_000, 3), (1, 65)]  # (width, height)
+
+
+def test_elongated_images_are_counted_bad_files_in_train_and_val_and_memory_stays_small(
+        tmp_path):
+    """A few KB of PNG, far under the pixel limit, whose short side resized to the model's
+    input would make billions of pixels (eval), or whose crop is a sliver (train)."""
+    files = {"fine.jpg": a_jpeg()}
+    for width, height in ELONGATED:
+        files[f"{width}x{height}.png"] = pixels(Image.new("L", (width, height), 7), "PNG",
+                                                optimize=True)
+    assert max(len(payload) for payload in files.values()) < 5000
+    root = image_tree(tmp_path / "r", {f"{split}/a/{name}": payload for name, payload
+                                       in files.items() for split in ("train", "val")})
+    script = f"""
+import resource, sys
+sys.path.insert(0, {str(REPO)!r})
+from data.pipeline import open_dataset
+from data.volume import Volume
+from data.loader import VolumeLoader
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for split in ("train", "val"):
+    ds = open_dataset(Volume({str(root)!r}), split, None, 32, train=split == "train", seed=0)
+    batch = next(iter(VolumeLoader(ds, [[(0, i) for i in range(len(ds))]], 0)))
+    print(batch.stats.tolist()[3], len(batch.indices))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    *counts, grown_mb = out.stdout.split("\n")[:-1]
+    assert counts == [f"{len(ELONGATED)} 1"] * 2, out.stderr[-3000:]
+    assert int(grown_mb) < 200, f"peak RSS grew {grown_mb} MB"
+    assert "one side more than" in out.stderr
+
+
+def test_the_eval_resize_is_refused_before_it_allocates_past_the_pixel_limit(
+        tmp_path, monkeypatch):
+    """Within the aspect ratio limit, a large data.image_size can still make the resized
+    image outgrow data.max_image_pixels: that is checked before resizing."""
+    root = image_tree(tmp_path / "r", {"val/a/wide.png": pixels(Image.new("L", (64, 8)), "PNG"),
+                                       "val/a/square.png": pixels(Image.new("L", (8, 8)), "PNG")})
+    ds = open_dataset(Volume(str(root)), "val", None, 64, train=False, seed=0,
+                      max_pixels=10_000)
+    assert ds[(0, 0)].image.shape == (3, 64, 64)  # square: 73x73 after the resize
+    monkeypatch.setattr(data.dataset.F, "resize", lambda *a, **k: pytest.fail("resized"))
+    assert ds[(0, 1)].image is None  # wide: would be 584x73
 
 
 def test_hostile_jpeg_headers_end_in_a_bad_file_quickly():
@@ -312,8 +362,7 @@ def test_a_link_to_a_non_image_secret_is_a_bad_file_and_never_cached(tmp_path, w
     """Prefetch threads and decoding workers both fill the cache: neither may store the
     bytes of a file that is no image (here: links to files outside the dataset)."""
     root = image_tree(tmp_path / "r", {"train/a/1.jpg": a_jpeg(1), "train/a/2.jpg": a_jpeg(2)})
-    outside = image_tree(tmp_path / "home", {name: payload
-                                             for name, payload in SECRET_FILES.items()})
+    outside = image_tree(tmp_path / "home", SECRET_FILES)
     for name in SECRET_FILES:
         os.symlink(outside / name, root / "train" / "a" / f"{name}.jpg")
     (root / "train" / "a" / "plain.jpg").write_bytes(b"SECRET-PLAIN-TEXT, not a link")
