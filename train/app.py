@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from checkpointing.manager import CheckpointError
+from checkpointing.manager import NO_SPACE, CheckpointError
+from common.files import atomic_file
 from common.distributed import broadcast_object
 from data.errors import DatasetError
 from data.redact import strip_credentials
@@ -191,11 +192,26 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
     weights = (full_state_dict(job.learner.model) if cfg.trainer.save_final_weights
                else None)  # a collective: every rank
     if weights is not None and world.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(weights, run_dir / "model_final.pt")
+        save_final_weights(weights, run_dir / "model_final.pt")
     log.info("done in %.0fs: %s; %s", time.perf_counter() - start,
              describe(metrics, ["train/loss", "val/loss", "val/top1"]), goodput.summary())
     return metrics
+
+
+def save_final_weights(weights: Dict[str, torch.Tensor], path: Path) -> None:
+    """Whole or not at all (a full disk must not leave a truncated file over a good one);
+    a full disk is the user's to fix, in one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as f:
+            torch.save(weights, f)
+    except (OSError, RuntimeError) as err:
+        # torch's zip writer reports the failed write as "unexpected pos", the OSError behind
+        errors = (err, err.__cause__, err.__context__)
+        if not any(isinstance(e, OSError) and e.errno in NO_SPACE for e in errors):
+            raise
+        raise ConfigError(f"no space left on device at {path.parent} for {path.name}: free "
+                          f"space there, or set trainer.save_final_weights=false") from None
 
 
 def resolve_device(choice: Device) -> torch.device:

@@ -15,6 +15,7 @@ someone runs the command again counts for nothing.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Dict, Optional
@@ -22,6 +23,8 @@ from typing import Dict, Optional
 from common.files import atomic_write
 
 PARTS = ("compute", "data_wait", "checkpoint_stall", "restore", "lost")
+
+log = logging.getLogger(__name__)
 
 
 class Goodput:
@@ -90,10 +93,15 @@ class Goodput:
         `ended` when the process ends cleanly."""
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.path, json.dumps({"seconds": self.seconds, "reached": self.reached,
-                                            "counted_steps": self.counted_steps,
-                                            "saved_at": time.time(), "ended": ended}).encode())
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, json.dumps({"seconds": self.seconds, "reached": self.reached,
+                                                "counted_steps": self.counted_steps,
+                                                "saved_at": time.time(),
+                                                "ended": ended}).encode())
+        except OSError as err:  # a report, not training's state: a full disk must not stop it
+            log.warning("cannot write %s (%s): the goodput totals there are stale; training "
+                        "goes on", self.path, err.strerror or err)
 
     def summary(self) -> str:
         parts = ", ".join(f"{p.replace('_', ' ')} {s:.1f}s" for p, s in self.seconds.items())

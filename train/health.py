@@ -127,9 +127,14 @@ class HealthMonitor:
         """Skip `step`'s global batch from now on (and after any restart)."""
         self.state.skipped.add(step)
         if self.rank == 0:
-            self.skips_file.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.skips_file,
-                         json.dumps({"skipped": sorted(self.state.skipped)}).encode())
+            try:
+                self.skips_file.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(self.skips_file,
+                             json.dumps({"skipped": sorted(self.state.skipped)}).encode())
+            except OSError as err:  # the next checkpoint records the skip too
+                log.warning("cannot write %s (%s): step %d is skipped in this process and "
+                            "from the next checkpoint on", self.skips_file,
+                            err.strerror or err, step)
 
     def skipped(self, step: int) -> bool:
         return step in self.state.skipped
