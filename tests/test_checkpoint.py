@@ -19,7 +19,7 @@ from checkpointing.manager import CheckpointError, CheckpointManager, Checkpoint
 from checkpointing.storage import Store
 from support.checkpoints import flip_byte
 from support.tiny_job import (Job, Payload, load_into_fresh, manager, rewrite_marker, same,
-                              two_checkpoints)
+                              two_checkpoints, with_planted_step)
 
 
 @pytest.mark.parametrize("mode", ["off", "thread"])
@@ -28,7 +28,7 @@ def test_round_trip_and_commit_layout(tmp_path, mode, staging):
     job = Job()
     mgr = manager(tmp_path / "ckpt", async_mode=mode,
                   staging_dir=str(tmp_path / "stage") if staging else None)
-    mgr.save(job.progress.step, job.state())
+    mgr.save(job.position.step, job.state())
     expected = job.snapshot()
     mgr.close()
     names = os.listdir(tmp_path / "ckpt")
@@ -59,7 +59,7 @@ def mutate_everything(job: Job) -> None:
         job.model[1].running_mean.add_(5.0)
     for s in job.optimizer.state.values():
         s["exp_avg"].add_(3.0)
-    job.progress.advance(steps_per_epoch=3)
+    job.position = job.position.advanced(steps_per_epoch=3)
 
 
 def test_async_save_is_a_snapshot_taken_before_save_returns(tmp_path, monkeypatch):
@@ -161,15 +161,15 @@ def test_a_hostile_non_tensor_item_is_never_run(tmp_path, caplog):
     root = tmp_path / "ckpt"
     mgr = manager(root, async_mode="off")
     job = Job()
-    state = job.state()
-    mgr.save(1, {**state, "trainer": {"step": Payload(marker)}})  # planted in the shard
+    mgr.save(1, with_planted_step(job, marker))
     assert not marker.exists()
     with caplog.at_level(logging.WARNING):
         assert manager(root).load_latest(Job().state()) is None  # skipped, not run
-    assert "refusing to load item trainer.step" in caplog.text
+    assert "refusing to load item position.trainer.step" in caplog.text
     assert not marker.exists()
     # The control: DCP's own loader does run it, so this test guards a real hole.
-    dcp.load({"trainer": {"step": 0}}, storage_reader=FileSystemReader(root / "step_000000001"),
+    dcp.load({"position": {"trainer": {"step": 0}}},
+             storage_reader=FileSystemReader(root / "step_000000001"),
              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     assert marker.exists()
 
@@ -248,7 +248,7 @@ def test_a_checkpoint_dir_on_an_fsspec_url_round_trips(tmp_path):
     mgr.close()
     fresh = CheckpointManager(CheckpointOptions(dir=url))  # a new node: no local copy
     other = Job(seed=9)
-    assert fresh.load_latest(other.state()) == 1
+    assert fresh.load_latest(other.state()).step == 1
     assert same(other.snapshot(), job.snapshot())
 
 
@@ -259,5 +259,5 @@ def test_a_damaged_local_copy_is_not_loaded(tmp_path):
     mgr.save(1, job.state())
     flip_byte(tmp_path / "stage" / "step_000000001" / "__0_0.distcp")
     other = Job(seed=9)
-    assert manager(tmp_path / "ckpt", **options).load_latest(other.state()) == 1
+    assert manager(tmp_path / "ckpt", **options).load_latest(other.state()).step == 1
     assert same(other.snapshot(), job.snapshot())  # read from the verified remote copy

@@ -1,6 +1,5 @@
 """When to checkpoint: a fixed interval, or Young/Daly from the measured stall and MTBF."""
 
-from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
@@ -22,8 +21,7 @@ def test_young_daly_interval_from_the_measured_stall(monkeypatch):
     clock = iter([0.0, 1.0])  # 10 steps took 1 s: 0.1 s a step
     monkeypatch.setattr("train.checkpoint.time.perf_counter", lambda: next(clock))
     schedule = CheckpointSchedule(cfg(auto_interval=True), start_step=0)
-    manager = SimpleNamespace(last_stall_seconds=0.5, last_save_seconds=2.0)
-    schedule.saved(10, manager)
+    schedule.saved(10, stall_seconds=0.5, save_seconds=2.0)
     # sqrt(2 * 0.5 s * 3600 s) = 60 s = 600 steps of 0.1 s
     assert schedule.interval == 600
 
@@ -32,6 +30,5 @@ def test_young_daly_never_asks_for_saves_faster_than_they_finish(monkeypatch):
     clock = iter([0.0, 1.0])
     monkeypatch.setattr("train.checkpoint.time.perf_counter", lambda: next(clock))
     schedule = CheckpointSchedule(cfg(auto_interval=True, mtbf_hours=1e-4), start_step=0)
-    manager = SimpleNamespace(last_stall_seconds=0.01, last_save_seconds=30.0)
-    schedule.saved(10, manager)
+    schedule.saved(10, stall_seconds=0.01, save_seconds=30.0)
     assert schedule.interval == 300  # 30 s of background save at 0.1 s a step

@@ -27,7 +27,7 @@ from checkpointing.manager import CheckpointManager, CheckpointOptions
 from support.checkpoints import flip_byte
 from support.launch import PYTHON, run, run_train
 from support.runs import tiny_overrides
-from train.state import ModelState, OptimizerState, Progress, RNGState
+from train.state import ModelState, OptimizerState, RNGState
 
 STEP_2, STEP_4 = "step_000000002", "step_000000004"
 
@@ -54,10 +54,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
     torch.manual_seed(0)
     model = torchvision.models.get_model("resnet18", num_classes=10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    progress = Progress()
     # Non-tensor items (progress, RNG) make the checkpoint hold more than the model.
     state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer),
-             "trainer": progress, "rng": RNGState(0)}
+             "trainer": {"step": 0}, "rng": RNGState(0)}
     manager = CheckpointManager(CheckpointOptions(dir=str(root), async_mode="thread"))
     weights = {}
     for step in range(1, 5):
@@ -65,7 +64,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        progress.step = step
+        state["trainer"]["step"] = step
         if step % 2 == 0:
             manager.save(step, state)
             weights[step] = {k: v.clone() for k, v in model.state_dict().items()}

@@ -6,12 +6,11 @@ import pytest
 
 from support.launch import run_train
 from support.runs import compose_config, tiny_overrides
-from train.checkpoint import build_manager, resume, training_config
+from train.checkpoint import Checkpointer, build_manager, training_config
 from train.config import DEFAULT_RUN_NAME_EXCLUDES, default_run_name
 from train.distributed import World
 from train.errors import ConfigError
-from train.faults import Faults
-from train.state import Progress, RunInfo, TrainerState
+from train.state import DataIdentity, Position, RunInfo
 
 
 def name(overrides, multirun=False, experiment="resnet"):
@@ -104,25 +103,26 @@ class RunInfoBeforeNames(RunInfo):
 
 
 def resume_as(tmp_path, run_name, *overrides, save_with=None):
-    """`resume()` of run `run_name` over the shared checkpoint.dir; with `save_with` (a
-    RunInfo class), then a save at its next step, as a run does."""
+    """A restore of run `run_name` over the shared checkpoint.dir; with `save_with` (a
+    RunInfo class), then a save at its next step, as a run does. Returns the MLflow run id
+    restored (None: a fresh start) and the step reached."""
     cfg = compose_config(["+experiment=resnet", f"run.name='{run_name}'", "logger=none",
                           f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.async_mode=off",
                           *overrides])
-    world = World(rank=0, world_size=1, local_rank=0, checkpoint_group=None)
-    manager = build_manager(cfg, world, Faults([], 0, tmp_path))
-    progress = Progress()
-    state = {"trainer": TrainerState(progress),
-             "run": (save_with or RunInfo)(mlflow_run_id=f"mlflow-{run_name}",
-                                           config=training_config(cfg))}
+    world = World(rank=0, world_size=1, local_rank=0, control_group=None)
+    info = (save_with or RunInfo)(mlflow_run_id=f"mlflow-{run_name}",
+                                  config=training_config(cfg))
+    checkpointer = Checkpointer(cfg, build_manager(cfg, world), {"run": info},
+                                DataIdentity(0, 1, 1), world_size=1)
     try:
-        run_id = resume(cfg, manager, state, world, Faults([], 0, tmp_path))
+        restored = checkpointer.restore()
+        position = restored.position if restored else Position()
         if save_with:
-            progress.step += 1
-            manager.save(progress.step, state)
-        return run_id, progress.step
+            position = position.advanced(steps_per_epoch=1)
+            checkpointer.save(position, last_step=True)
+        return (info.mlflow_run_id if restored else None), position.step
     finally:
-        manager.close()
+        checkpointer.close()
 
 
 def test_another_runs_checkpoint_is_never_resumed(tmp_path):

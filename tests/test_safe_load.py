@@ -31,7 +31,8 @@ from checkpointing import commit, export, safe_load, verify
 from checkpointing.safe_load import SafeLoadPlanner, UnsafeCheckpointError, load_metadata
 from checkpointing.storage import Store
 from support.launch import PYTHON, run
-from support.tiny_job import Job, Payload, manager, rewrite_marker, same, two_checkpoints
+from support.tiny_job import (Job, Payload, manager, rewrite_marker, same, two_checkpoints,
+                              with_planted_step)
 
 STEP_2 = "step_000000002"
 PLANTED = "planted_goodput_mod"  # a module the attacker drops next to the checkpoint
@@ -166,7 +167,7 @@ def real_metadata(tmp_path: Path) -> bytes:
 
 def test_real_metadata_loads_and_forged_shapes_are_refused(tmp_path):
     metadata = load_metadata(io.BytesIO(real_metadata(tmp_path)))
-    assert {"model.0.weight", "optim.state.0.weight.exp_avg", "trainer.step"} <= set(
+    assert {"model.0.weight", "optim.state.0.weight.exp_avg", "position.trainer.step"} <= set(
         metadata.state_dict_metadata)
     forged = [header(2) + b"]" * 200_000 + b"a" * 199_999 + b".",  # deeply nested
               header(2) + b"}" + push_str("x") + b"]s.",  # a dict, not Metadata
@@ -284,7 +285,7 @@ def test_a_resigned_hostile_metadata_is_a_damaged_checkpoint_everywhere(planted,
 
     with caplog.at_level(logging.WARNING):
         job = Job(seed=9)
-        assert manager(root).load_latest(job.state()) == 1
+        assert manager(root).load_latest(job.state()).step == 1
     assert same(job.snapshot(), first)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and STEP_2 in warnings[0] and "refusing" in warnings[0]
@@ -345,7 +346,7 @@ def test_a_marker_that_is_not_a_marker_makes_the_checkpoint_incomplete(tmp_path,
     (root / STEP_2 / "commit_rank_0.json").write_bytes(body)
     with caplog.at_level(logging.WARNING):
         job = Job(seed=9)
-        assert manager(root).load_latest(job.state()) == 1
+        assert manager(root).load_latest(job.state()).step == 1
     assert same(job.snapshot(), first)
     assert "commit_rank_0.json is unreadable" in caplog.text
 
@@ -401,13 +402,13 @@ def test_a_hostile_non_tensor_item_falls_back_to_the_previous_checkpoint(tmp_pat
     job = Job()
     mgr.save(1, job.state())
     first = job.snapshot()
-    mgr.save(2, {**job.state(), "trainer": {"step": Payload(marker)}})
+    mgr.save(2, with_planted_step(job, marker))
     with caplog.at_level(logging.WARNING):
         fresh = Job(seed=9)
-        assert manager(root).load_latest(fresh.state()) == 1
+        assert manager(root).load_latest(fresh.state()).step == 1
     assert same(fresh.snapshot(), first) and not marker.exists()
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and warnings[0].getMessage().startswith(
         f"checkpoint {root / STEP_2} failed to load (UnsafeCheckpointError: refusing to load "
-        f"item trainer.step: ")
+        f"item position.trainer.step: ")
     assert not any(r.exc_info for r in caplog.records)

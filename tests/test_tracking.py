@@ -71,11 +71,11 @@ def test_the_start_check_names_a_store_that_cannot_be_used(uri: str, tmp_path: P
 def test_every_rank_gets_rank_0s_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 has no tracker to check; it must still stop, not wait for rank 0 later."""
     verdict = "the MLflow tracking store http://h cannot be used (...)"
-    monkeypatch.setattr(tracking, "broadcast_object", lambda obj, world: verdict)
-    world = World(rank=1, world_size=2, local_rank=1, checkpoint_group=None)
+    monkeypatch.setattr(tracking, "broadcast_object", lambda obj, group: verdict)
+    world = World(rank=1, world_size=2, local_rank=1, control_group=None)
     with pytest.raises(ConfigError, match="cannot be used"):
         start_tracker(LoggerConfig(tracking_uri="http://h"), world)
-    monkeypatch.setattr(tracking, "broadcast_object", lambda obj, world: obj)
+    monkeypatch.setattr(tracking, "broadcast_object", lambda obj, group: obj)
     assert isinstance(start_tracker(LoggerConfig(), world), NullTracker)
 
 
@@ -154,6 +154,8 @@ def test_a_preempted_run_ends_killed_not_failed(store_uri: str, raised, status) 
     from mlflow.tracking import MlflowClient
 
     from train.preemption import Preempted
+    import mlflow
+    mlflow.end_run()  # an earlier test's store failed at end_run: its run is still active
     tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri))
     error = {"preempted": Preempted("SIGTERM", 3, saved=True),
              "crash": RuntimeError("boom"), None: None}[raised]

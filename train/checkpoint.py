@@ -117,7 +117,9 @@ class Checkpointer:
         if exists:
             self.faults.at("load")
         info: RunInfo = self.components["run"]
-        current_config = dict(info.config)
+        # The header loads partially: a checkpoint saved before run names were recorded
+        # keeps this one, and is judged by the identity keys alone.
+        current_config, info.run_name = dict(info.config), self.cfg.run.name
         restored = self._load_newest(lambda: refuse_another_run(self.cfg, info, current_config))
         if restored is None:
             if exists:

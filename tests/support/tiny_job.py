@@ -11,8 +11,10 @@ import torch
 from checkpointing import commit
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
-from train.state import (DataIdentity, DataState, ModelState, OptimizerState, Progress,
-                         TrainerState)
+from train.state import (DataIdentity, ModelState, OptimizerState, Position, position_state,
+                         read_position)
+
+IDENTITY = DataIdentity(0, 30, 10)
 
 
 def make_model() -> torch.nn.Module:
@@ -27,27 +29,38 @@ class Job:
         torch.manual_seed(seed)
         self.model = make_model()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.01)
-        self.progress = Progress()
+        self.position = Position()
         self.step()
 
     def step(self) -> None:
         self.model(torch.randn(6, 8)).sum().backward()  # also moves BatchNorm statistics
         self.optimizer.step()
         self.optimizer.zero_grad()
-        self.progress.advance(steps_per_epoch=3)
+        self.position = self.position.advanced(steps_per_epoch=3)
 
     def state(self) -> dict:
         return {"model": ModelState(self.model),
                 "optim": OptimizerState(self.model, self.optimizer),
-                "trainer": TrainerState(self.progress),
-                "data": DataState(self.progress, DataIdentity(0, 30, 10))}
+                "position": PositionState(self)}
 
     def snapshot(self) -> dict:
         return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
                 "optim": {i: {k: v.clone() for k, v in s.items()}
                           for i, s in self.optimizer.state_dict()["state"].items()},
-                "progress": (self.progress.step, self.progress.epoch,
-                             self.progress.step_in_epoch)}
+                "position": self.position}
+
+
+class PositionState:
+    """The job's position as the trainer saves it (`position_state`), loaded back into it."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def state_dict(self) -> dict:
+        return position_state(self.job.position, IDENTITY)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.job.position = read_position(state, IDENTITY)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -72,8 +85,8 @@ def manager(root: Path, **kw) -> CheckpointManager:
 
 def load_into_fresh(mgr: CheckpointManager) -> tuple:
     job = Job(seed=123)  # different weights: everything must come from the checkpoint
-    step = mgr.load_latest(job.state())
-    return step, job.snapshot()
+    loaded = mgr.load_latest(job.state())
+    return (loaded and loaded.step), job.snapshot()
 
 
 def two_checkpoints(tmp_path: Path) -> tuple:
@@ -102,3 +115,10 @@ def rewrite_marker(step_dir: Path) -> None:
     files = {p.name: commit.FileRecord(p.stat().st_size, store.sha256(str(p)))
              for p in step_dir.iterdir() if p.name != "commit_rank_0.json"}
     commit.write_marker(store, step_dir.name, int(step_dir.name[5:]), 0, 1, files)
+
+
+def with_planted_step(job: Job, marker: Path) -> dict:
+    """`job.state()` with the step (a non-tensor item) replaced by a `Payload`."""
+    planted = position_state(job.position, IDENTITY)
+    planted["trainer"]["step"] = Payload(marker)
+    return {**job.state(), "position": planted}

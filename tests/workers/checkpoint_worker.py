@@ -26,9 +26,9 @@ def build(seed: int) -> tuple:
 def main(mode: str, directory: str, out: str) -> None:
     world = init_world(torch.device("cpu"), timeout_s=60)
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
-                                world.rank, world.world_size, world.checkpoint_group)
+                                world.rank, world.world_size, world.control_group)
     model, optimizer = build(seed=0 if mode == "save" else 99)
-    state = {"model": ModelState(model, world.checkpoint_group),
+    state = {"model": ModelState(model, world.control_group),
              "optim": OptimizerState(model, optimizer), "rng": RNGState(world.rank)}
     if mode == "save":
         # Every rank's BatchNorm sees its own batch, as under DDP between forwards.
@@ -41,7 +41,7 @@ def main(mode: str, directory: str, out: str) -> None:
         Path(out, f"rank{world.rank}-before.json").write_text(json.dumps(rank0_running_mean))
     else:
         step = manager.load_latest(
-            state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else [])
+            state, optional_keys=lambda saved: ["rng"] if saved != world.world_size else []).step
     report = {"rank": world.rank, "step": step,
               "weight_sum": float(model[0].weight.double().sum()),
               "running_mean": model[1].running_mean.tolist(),
