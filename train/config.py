@@ -210,7 +210,8 @@ class DataConfig:
     prefetch_threads: int = bounded(16, ge=0)
     prefetch_batches: int = bounded(8, ge=1)  # how many batches ahead those threads fetch
     image_size: int = bounded(64, ge=8)
-    crop_scale_min: float = bounded(0.35, gt=0, le=1)  # RandomResizedCrop's lower area bound
+    # RandomResizedCrop's lower area bound: the shapes must stay mostly in view to keep their label
+    crop_scale_min: float = bounded(0.5, gt=0, le=1)
     # A file whose header declares more pixels (width x height) is a bad file, refused before
     # it is decoded: a 1.4 KB JPEG can declare 30000x30000 and take gigabytes to decode.
     # The default is PIL's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS).
