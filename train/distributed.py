@@ -2,7 +2,8 @@
 
 Even a single process gets a group, so the checkpoint path is the same code at any scale
 (and DCP's process-based async save has one to use). Checkpointing gets its own gloo group:
-DCP's background collectives must never interleave with training's (DESIGN.md pitfalls).
+DCP's background collectives must never interleave with training's
+(docs/architecture.md, pitfalls).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def round_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The key space of this rendezvous round in torchrun's store.
 
     torchrun's agents keep one store for the whole job, and the ranks of a restarted round
-    would read the addresses a dead round left there (DESIGN.md pitfalls: "Connection
+    would read the addresses a dead round left there (docs/architecture.md, pitfalls: "Connection
     refused, remote=<old port>"). `TORCHELASTIC_RESTART_COUNT` cannot name the round: it is
     per agent, and a node that joins an elastic job starts at 0. So rank 0 of the round makes
     up a fresh key and hands it to every other rank by a handshake that no leftover of an
