@@ -1,1 +1,1 @@
-"""Checkpointing (async DCP, commit protocol, verified resume): see DESIGN.md."""
+"""Checkpointing (async DCP, commit protocol, verified resume): see docs/architecture.md."""

@@ -33,7 +33,7 @@ def group_options():
             yield f"{'+' if appended else ''}{group}={option.stem}"
 
 
-def test_the_config_tree_has_every_group_design_md_names():
+def test_the_config_tree_has_every_group_the_architecture_names():
     for group in ["model", "data", "strategy", "optim", "scheduler", "trainer", "logger",
                   "experiment", "hparams_search"]:
         assert group in GROUPS, group

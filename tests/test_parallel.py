@@ -1,8 +1,9 @@
 """strategy=ddp|fsdp under torchrun (gloo, CPU) against one process at the same global batch.
 
-Parity runs use `tiny_cnn_nobn`: BatchNorm statistics are per rank on CPU (DESIGN.md), so
-only a model without them follows the same trajectory at every world size. Runs are shared
-through module-scoped fixtures; each is a real `python -m train` (or torchrun) process.
+Parity runs use `tiny_cnn_nobn`: BatchNorm statistics are per rank on CPU
+(docs/architecture.md, pitfalls), so only a model without them follows the same trajectory
+at every world size. Runs are shared through module-scoped fixtures; each is a real
+`python -m train` (or torchrun) process.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The per-round key space: a restarted round must never take a dead round's leftovers in
-torchrun's store for its own (DESIGN.md pitfalls)."""
+torchrun's store for its own (docs/architecture.md#pitfalls-seen-on-this-stack)."""
 
 from __future__ import annotations
 

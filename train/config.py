@@ -249,7 +249,8 @@ class DataConfig:
     # Far above any model's input: the bound stops a typo (100000) from allocating tens of GB
     # per image inside a data worker.
     image_size: int = bounded(64, ge=8, le=4096)
-    crop_scale_min: float = bounded(0.35, gt=0, le=1)  # RandomResizedCrop's lower area bound
+    # RandomResizedCrop's lower area bound: the shapes must stay mostly in view to keep their label
+    crop_scale_min: float = bounded(0.5, gt=0, le=1)
     # A file whose header declares more pixels (width x height) is a bad file, refused before
     # it is decoded: a 1.4 KB JPEG can declare 30000x30000 and take gigabytes to decode.
     # The default is PIL's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS).

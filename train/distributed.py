@@ -83,7 +83,7 @@ def round_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """The key space of this rendezvous round in torchrun's store.
 
     torchrun's agents keep one store for the whole job, and the ranks of a restarted round
-    would read the addresses a dead round left there (DESIGN.md pitfalls: "Connection
+    would read the addresses a dead round left there (docs/architecture.md, pitfalls: "Connection
     refused, remote=<old port>"). `TORCHELASTIC_RESTART_COUNT` cannot name the round: it is
     per agent, and a node that joins an elastic job starts at 0. So rank 0 of the round makes
     up a fresh key and hands it to every other rank by a handshake that no leftover of an

@@ -27,7 +27,8 @@ class TinyBlock(torch.nn.Module):
 
 
 class TinyCNN(torch.nn.Module):
-    """Four blocks, global average pooling and a linear classifier: about 30k parameters."""
+    """Four blocks, global average pooling and a linear classifier: 33,626 parameters for 10
+    classes."""
 
     def __init__(self, num_classes: int, norm: bool = True) -> None:
         super().__init__()
