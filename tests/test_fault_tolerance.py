@@ -155,7 +155,9 @@ def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, ddp_r
     args = train_args(tiny_root, tmp_path, "strategy.timeout_seconds=5")
     proc = launch(torchrun(2, max_restarts=1), args)
     with RestartWatch(tmp_path) as watch:
-        wait_for(lambda: steps_done(ledger) >= 3, "3 steps", proc=proc)
+        # After a commit: a group frozen before its first one restarts from scratch.
+        wait_for(lambda: steps_done(ledger) >= 3 and commit.committed_steps(watch.store),
+                 "3 steps and a checkpoint", proc=proc)
         frozen = worker_pids(tmp_path)[1]
         os.kill(frozen, signal.SIGSTOP)
         since = time.time()
