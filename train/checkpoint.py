@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from train.config import ResumeMode
 from train.distributed import World
@@ -156,6 +157,7 @@ class Checkpointer:
         checkpoint older than a header key keeps the live value) and `check_run` may refuse
         it; then everything else."""
         for step, saved_world in self.manager.complete_checkpoints():
+            began = time.perf_counter()
             if not self.manager.load(step, {"run": self.components["run"]}, partial=True):
                 continue
             check_run()
@@ -173,8 +175,9 @@ class Checkpointer:
             if resized and "rng" in self.components:
                 self.components["rng"].rederive(self.cfg.seed, step)
             self.schedule.last_save_step = step
-            log.info("resumed from checkpoint step %d (saved at world size %d)", step,
-                     saved_world)
+            log.info("resumed from %s (step %d, saved at world size %d) in %.1fs",
+                     self.manager.remote.url_of(step_dir_name(step)), step, saved_world,
+                     time.perf_counter() - began)
             return Restored(position, saved_world)
         return None
 
