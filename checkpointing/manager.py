@@ -416,8 +416,15 @@ class CheckpointManager:
                 elif step < newest or not complete:
                     store.remove(store.path(commit.step_dir_name(step)))
             for name in store.listdir():
-                if commit.PARTIAL_DIR.match(name):
+                if commit.PARTIAL_DIR.match(name) and not self._in_progress(name, newest):
                     store.remove(store.path(name))
+
+    def _in_progress(self, partial: str, newest: int) -> bool:
+        """A partial of this attempt past `newest`: another rank may already be writing its
+        next save there (its save starts before it meets this rank in DCP's collective)."""
+        match = commit.PARTIAL_DIR.match(partial)
+        return (bool(match) and partial.endswith(f"-{self.attempt}")
+                and int(match.group(1)) > newest)
 
     # ---- load ----
 

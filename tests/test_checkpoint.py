@@ -261,3 +261,19 @@ def test_a_damaged_local_copy_is_not_loaded(tmp_path):
     other = Job(seed=9)
     assert manager(tmp_path / "ckpt", **options).load_latest(other.state()).step == 1
     assert same(other.snapshot(), job.snapshot())  # read from the verified remote copy
+
+
+def test_retention_spares_a_partial_another_rank_is_already_writing(tmp_path):
+    """Rank 0 applies retention after committing step 1, while another rank may already have
+    created its partial of step 2 (its save starts before DCP's collective): that one stays;
+    a dead attempt's leftover and this attempt's older partials go."""
+    root = tmp_path / "ckpt"
+    mgr = manager(root, async_mode="off")
+    ahead = root / commit.partial_dir_name(2, mgr.attempt)
+    stale = [root / commit.partial_dir_name(2, "0-deadbeef"),
+             root / commit.partial_dir_name(0, mgr.attempt)]
+    for path in [ahead, *stale]:
+        path.mkdir(parents=True)
+    mgr.save(1, Job().state())
+    mgr.close()
+    assert ahead.is_dir() and not any(p.exists() for p in stale)
