@@ -50,15 +50,11 @@ def run(cfg: DictConfig) -> Dict[str, float]:
     """Train; a mistake the user can fix ends the process with one line and exit code 2."""
     try:
         return train(cfg)
-    except (ConfigError, DatasetError, CheckpointError) as err:
+    except (ConfigError, DatasetError, CheckpointError, PreflightError, TrainingError) as err:
         print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG) from None
-    except PreflightError as err:
-        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
-        raise SystemExit(EXIT_PREFLIGHT) from None
-    except TrainingError as err:
-        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
-        raise SystemExit(1) from None
+        code = (EXIT_PREFLIGHT if isinstance(err, PreflightError)
+                else 1 if isinstance(err, TrainingError) else EXIT_CONFIG)
+        raise SystemExit(code) from None
     except Preempted as stopped:
         log.warning("%s", stopped)
         raise SystemExit(EXIT_PREEMPTED) from None
