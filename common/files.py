@@ -23,11 +23,16 @@ def fsync_dir(path: PathLike) -> None:
     """Make a rename or creation in directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        _fsync_dir_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir_fd(fd: int) -> None:
+    try:
         os.fsync(fd)
     except OSError:  # some FUSE mounts do not implement fsync on directories
         pass
-    finally:
-        os.close(fd)
 
 
 @contextmanager
@@ -43,11 +48,18 @@ def atomic_file(path: PathLike) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # Opened before the rename: once the file is visible another process may rename
+        # its directory (rank 0 commits a checkpoint as soon as every marker is in), and a
+        # descriptor still reaches the directory where its old path no longer does.
+        parent = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.replace(tmp, path)
+            _fsync_dir_fd(parent)
+        finally:
+            os.close(parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
 
 
 def atomic_write(path: PathLike, data: bytes) -> None:

@@ -62,3 +62,23 @@ def test_a_checkpoint_saved_at_two_ranks_loads_at_any_world_size(saved_at_two_ra
         assert draws == saved_draws
     else:  # the streams do not map onto ranks: they are left out, no rank continues one
         assert not [d for d in draws if d in saved_draws], (draws, saved_draws)
+
+
+def test_a_marker_survives_rank_0_committing_its_directory_the_moment_it_appears(
+        tmp_path, monkeypatch):
+    """Rank 0 renames the partial directory as soon as the last marker is visible, which
+    can be before the rank that wrote it has made the rename durable (CI saw rank 1's final
+    save fail with FileNotFoundError). Played here in one process: the directory is
+    committed from under the writer right after its marker lands."""
+    store = Store(str(tmp_path))
+    partial, final = ".step_000000012.partial-a-b", commit.step_dir_name(12)
+    store.makedirs(store.path(partial))
+    replace = os.replace
+
+    def replace_then_commit(src, dst):
+        replace(src, dst)
+        os.rename(tmp_path / partial, tmp_path / final)
+
+    monkeypatch.setattr(os, "replace", replace_then_commit)
+    commit.write_marker(store, partial, 12, 1, 2, {})
+    assert commit.markers_present(store, final) == [1]
