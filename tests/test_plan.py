@@ -1,0 +1,108 @@
+"""The checkpoint-interval planner: reference figures, the exact model against a Monte-Carlo
+simulation of the same failures, and the command's output and refusals."""
+
+import json
+import math
+
+import pytest
+
+from checkpointing import plan
+
+MIN, HOUR = 60.0, 3600.0
+FOUR_YEARS = 4 * 8766 * HOUR
+
+
+def test_reference_figures():
+    assert plan.cluster_mtbf(16_384, FOUR_YEARS) / HOUR == pytest.approx(2.1, abs=0.05)
+    C, M = 5 * MIN, 186 * MIN
+    assert plan.young_interval(C, M) / MIN == pytest.approx(43.1, abs=0.05)
+    assert plan.daly_interval(C, M) / MIN == pytest.approx(39.9, abs=0.05)
+    t, R = 43 * MIN, 30 * MIN
+    assert round(plan.first_order_goodput(t, C, R, M), 2) == 0.78
+    assert round(plan.exact_goodput(t, C, R, M), 2) == 0.67
+
+
+@pytest.mark.parametrize("C, M", [(5, 186), (0.1, 4 * HOUR), (60, 100), (1, 1e6)])
+def test_the_exact_optimum_is_the_stationary_point(C, M):
+    """d/dt of t / (e^((t+C)/M) - 1) vanishes where e^((t+C)/M) (1 - t/M) = 1."""
+    t = plan.exact_optimum(C, M)
+    assert math.exp((t + C) / M) * (1 - t / M) == pytest.approx(1, abs=1e-6)
+    best = plan.exact_goodput(t, C, 1, M)
+    assert best >= plan.exact_goodput(0.9 * t, C, 1, M)
+    assert best >= plan.exact_goodput(1.1 * t, C, 1, M)
+
+
+def test_daly_is_the_mtbf_when_a_save_takes_twice_as_long():
+    assert plan.daly_interval(250, 100) == 100
+
+
+@pytest.mark.parametrize("t, C, R, M", [(43, 5, 30, 186), (10, 1, 0.5, 20), (100, 20, 50, 60),
+                                        (2, 0.1, 5, 1000)])
+def test_the_simulation_agrees_with_the_exact_model(t, C, R, M):
+    sim = plan.simulate(t, C, R, M, seed=1)
+    assert sim.low <= plan.exact_goodput(t, C, R, M) <= sim.high
+    assert sim.high - sim.low < 0.03  # narrow enough to tell the models apart:
+
+
+def test_the_simulation_refutes_the_first_order_formula():
+    sim = plan.simulate(43, 5, 30, 186, seed=1)
+    assert not sim.low <= plan.first_order_goodput(43, 5, 30, 186) <= sim.high
+
+
+def test_the_command_prints_the_three_intervals_side_by_side(capsys):
+    code = plan.main(["--gpus", "16384", "--gpu-mtbf-hours", "35064", "--stall-seconds", "300",
+                      "--restart-seconds", "1800", "--async-stall-seconds", "20",
+                      "--step-seconds", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "MTBF M = 2.14 h" in out
+    rows = [line for line in out.splitlines() if line.startswith(("sync", "async"))]
+    assert len(rows) == 6
+    assert [r.split()[0] for r in rows] == ["sync"] * 3 + ["async"] * 3
+    assert sum("exact optimum" in r for r in rows) == 2
+
+
+def test_async_intervals_are_no_shorter_than_the_save():
+    rows = plan.plan(plan.Measures(stall=600, restart=60, mtbf=HOUR, async_stall=0.01))
+    async_rows = [r for r in rows if r.mode == "async"]
+    assert all(r.interval == 600 and r.floored for r in async_rows)
+    assert not any(r.floored for r in rows if r.mode == "sync")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--stall-seconds", "-1", "--restart-seconds", "3", "--mtbf-hours", "1"], "--stall-seconds"),
+    (["--stall-seconds", "5", "--restart-seconds", "0", "--mtbf-hours", "1"], "--restart-seconds"),
+    (["--stall-seconds", "5", "--restart-seconds", "3", "--mtbf-hours", "nan"], "--mtbf-hours"),
+    (["--stall-seconds", "5", "--restart-seconds", "3", "--gpus", "0", "--gpu-mtbf-hours", "9"],
+     "--gpus"),
+    (["--stall-seconds", "5", "--restart-seconds", "3", "--gpus", "8"], "--gpu-mtbf-hours"),
+    (["--stall-seconds", "7200", "--restart-seconds", "3", "--mtbf-hours", "1"], "twice the MTBF"),
+    (["--restart-seconds", "3", "--mtbf-hours", "1"], "--stall-seconds"),
+    (["--from-run", "/no/such/run", "--mtbf-hours", "1"], "not a directory"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
+    assert plan.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and err.count("\n") == 1
+
+
+def test_from_run_reads_the_measured_stall_save_and_restore(tmp_path, capsys):
+    events = [{"event": "save_staged", "step": s, "stall_seconds": 0.5} for s in (10, 20, 30)]
+    events += [{"event": "save_committed", "step": s, "seconds": 4.0} for s in (10, 20, 30)]
+    events += [{"event": "resume", "step": 20, "restore_seconds": 12.0}]
+    lines = [json.dumps(e) for e in events] + ["not json", '{"event": "save_sta']
+    (tmp_path / "events.jsonl").write_text("\n".join(lines))
+    (tmp_path / "goodput.json").write_text(json.dumps(
+        {"seconds": {"compute": 9.0, "data_wait": 1.0}, "counted_steps": 100}))
+    assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "save 4 s, stall 0.5 s, restore 12 s" in out and "(3 saves, 1 resumes)" in out
+    assert "restart R = 12 s, step 0.1 s" in out
+    young_sync = next(line for line in out.splitlines() if line.startswith("sync"))
+    assert f"{math.ceil(math.sqrt(2 * 4 * HOUR) / 0.1):,}" in young_sync
+
+
+def test_from_run_without_saves_says_what_is_missing(tmp_path, capsys):
+    (tmp_path / "events.jsonl").write_text('{"event": "start"}\n')
+    assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 2
+    assert "no committed checkpoint save" in capsys.readouterr().err
