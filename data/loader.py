@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import queue
 import signal
+import sys
 import threading
 from collections import deque
 from typing import Deque, Iterable, Iterator, List, NamedTuple, Optional
@@ -129,13 +131,23 @@ class VolumeLoader(DataLoader):
         workers = default_num_workers() if num_workers is None else num_workers
         extra = {}
         if workers > 0:
-            extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
+            extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor,
+                     "multiprocessing_context": worker_start_method()}
         # Its own generator: the base seed DataLoader draws for workers at every iter() must
         # not come from the global RNG, or resuming (which restores it) would shift it.
         super().__init__(dataset, batch_sampler=batches, num_workers=workers,
                          collate_fn=collate_samples, pin_memory=pin_memory,
                          worker_init_fn=leave_the_process_group,
                          generator=torch.Generator().manual_seed(0), **extra)
+
+
+def worker_start_method() -> multiprocessing.context.BaseContext:
+    """The platform's own start method, whatever this process's default says: fork on Linux
+    (the workers share the parent's index arrays, data/index.py), spawn elsewhere (fork is
+    unsafe on macOS). Left to the default, a launcher decides: joblib's loky workers make
+    "loky" the default, whose processes DataLoader cannot start ("'Process' object has no
+    attribute 'env'"); Python 3.14 makes it forkserver on Linux."""
+    return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
 def leave_the_process_group(worker_id: int) -> None:

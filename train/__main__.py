@@ -6,7 +6,7 @@ Under torchrun every rank runs this with the same arguments (train/launch.py).
 import signal
 import sys
 from types import FrameType
-from typing import NoReturn, Optional
+from typing import Dict, NoReturn, Optional
 
 # Exit status of a process stopped by SIGINT (128 + 2), as a shell reports it.
 EXIT_INTERRUPTED = 130
@@ -56,20 +56,36 @@ def _unexpected(err: Exception) -> NoReturn:
     raise SystemExit(1)  # not EXIT_CONFIG: it may be transient, a restart may help
 
 
+def objective(metrics: Dict[str, float], key: str) -> Optional[float]:
+    """The value a sweeper optimizes: the run's last `key` (`sweep.objective`). None when the
+    run trained no step (it was already complete); a key the run never logs is the user's
+    mistake, said in one line."""
+    if not metrics:
+        logging.getLogger("train").warning("sweep.objective=%s: this run trained no step, so "
+                                           "it has no value to report", key)
+        return None
+    if key not in metrics:
+        raise ConfigError(f"sweep.objective={key} is not a metric of this run: choose one of "
+                          f"{', '.join(sorted(metrics))}")
+    return float(metrics[key])
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Optional[float]:
+    """One run; returns its objective (`sweep.objective`), so any Hydra sweeper can optimize
+    it."""
     global _entered
     _entered = True
     refuse_multirun_under_torchrun()
     try:
         try:
             validate(cfg)
+            from train.app import run  # torch and friends load once the config is known good
+
+            return objective(run(cfg), cfg.sweep.objective)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(EXIT_CONFIG) from None
-        from train.app import run  # torch and friends load after the config is known to be good
-
-        run(cfg)
     except Exception as err:  # noqa: BLE001  anything run() does not turn into one line
         _unexpected(err)
 

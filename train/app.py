@@ -22,7 +22,7 @@ from data.redact import strip_credentials
 from data.loader import eval_batches
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
-from train import PROCESS_START
+from train import job_start
 from train.checkpoint import Checkpointer, build_manager, training_config
 from train.config import Device, Precision, StrategyName
 from train.distributed import World, init_world, launched_by_torchrun, shutdown_world
@@ -62,7 +62,7 @@ def run(cfg: DictConfig) -> Dict[str, float]:
 
 def train(cfg: DictConfig) -> Dict[str, float]:
     OmegaConf.resolve(cfg)  # fixes run.name now, while Hydra's runtime is known
-    start = PROCESS_START
+    start = job_start()
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device)
     with catch_preemption() as preemption:  # from here on a signal stops at a checkpoint

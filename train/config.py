@@ -73,6 +73,11 @@ class LoggerName(str, Enum):
     none = "none"
 
 
+class Direction(str, Enum):
+    maximize = "maximize"
+    minimize = "minimize"
+
+
 SEED_MAX = 2**32 - 1  # numpy's seeds are 32-bit
 
 
@@ -193,6 +198,7 @@ DEFAULT_RUN_NAME_EXCLUDES = [
     "checkpoint",
     "logger",
     "run",
+    "sweep",
     "hydra",
 ]
 
@@ -360,6 +366,15 @@ class HealthConfig:
 
 
 @dataclass
+class SweepConfig:
+    """What a run hands a Hydra sweeper (hparams_search/optuna.yaml)."""
+
+    # The metric `main` returns: its value at the run's last step (validation runs there)
+    objective: str = "val/top1"
+    direction: Direction = Direction.maximize  # for sweepers that optimize the objective
+
+
+@dataclass
 class Config:
     seed: int = bounded(0, ge=0, le=SEED_MAX)
     run: RunConfig = field(default_factory=RunConfig)
@@ -373,6 +388,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 def _matches(key: str, prefixes: List[str]) -> bool:

@@ -8,8 +8,10 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from itertools import islice
+from pathlib import Path
 from typing import Any, Deque, Dict, Iterator, Optional
 
+from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from common.distributed import broadcast_object
@@ -83,7 +85,8 @@ class MLflowTracker:
         saved = {name: os.environ.get(name) for name in CHECK_HTTP_SETTINGS}
         os.environ.update(CHECK_HTTP_SETTINGS)
         try:
-            experiment = self.mlflow.set_experiment(self.experiment_name)
+            with sqlite_creation_lock(self.mlflow.get_tracking_uri()):
+                experiment = self.mlflow.set_experiment(self.experiment_name)
             self.mlflow.tracking.MlflowClient().set_experiment_tag(experiment.experiment_id, "goodput.last_start",
                                            time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             return None
@@ -219,6 +222,25 @@ def start_tracker(cfg: LoggerConfig, world: World) -> NullTracker | MLflowTracke
     if problem:
         raise ConfigError(problem)
     return tracker
+
+
+@contextmanager
+def sqlite_creation_lock(uri: str, timeout_s: float = 300.0) -> Iterator[None]:
+    """Hold `<db>.lock` while a sqlite store may be created: parallel sweep jobs (joblib,
+    submitit) that open a new store at once both run its schema migrations and leave it
+    half-built ("table _alembic_tmp_metrics already exists"). The kernel drops the lock of
+    a process that dies. Other stores need nothing."""
+    path = uri[len("sqlite:///"):].split("?")[0] if uri.startswith("sqlite:///") else ""
+    if not path:
+        yield
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(f"{path}.lock", timeout=timeout_s):
+            yield
+    except Timeout:
+        raise RuntimeError(f"{path}.lock stayed locked for {timeout_s:.0f}s: another run is "
+                           f"still creating the store") from None
 
 
 def one_line(err: BaseException) -> str:
