@@ -201,7 +201,7 @@ def table(m: Measures, rows: Sequence[Row]) -> str:
 class RunMeasures:
     save: float  # a save's whole duration: what a synchronous save would block
     stall: float  # how long the loop was blocked per save
-    restart: Optional[float]  # start-up and restore of a resumed process
+    restart: Optional[float]  # a resumed process's start-up and load
     step: Optional[float]
     source: str
 
@@ -220,33 +220,45 @@ def read_json_lines(path: Path) -> List[Dict]:
     return records
 
 
-def seconds_of(records: List[Dict], event: str, key: str) -> List[float]:
-    """The finite, non-negative `key` values of the records whose `event` is `event`."""
-    values = []
-    for r in records:
-        value = r.get(key)
-        if r.get("event") == event and isinstance(value, (int, float)) and \
-                math.isfinite(value) and value >= 0:
-            values.append(float(value))
-    return values
+def rank0_events(records: List[Dict], kind: str) -> List[Dict]:
+    """Rank 0's `kind` events (every rank records each save and resume)."""
+    return [r for r in records if r.get("kind") == kind and r.get("rank", 0) == 0]
+
+
+def usable(values: List[object]) -> List[float]:
+    """The finite, non-negative numbers among `values` (the file is hostile input)."""
+    return [float(v) for v in values
+            if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0]
+
+
+def restart_seconds(records: List[Dict]) -> List[float]:
+    """For each resume: from its process's start (imports included) to the checkpoint
+    loaded; the load alone where that start is not recorded."""
+    began = {r.get("pid"): r.get("time") for r in rank0_events(records, "start")}
+    values: List[object] = []
+    for r in rank0_events(records, "resume"):
+        start, end = began.get(r.get("pid")), r.get("time")
+        timed = all(isinstance(v, (int, float)) for v in (start, end))
+        values.append(end - start if timed else r.get("seconds"))
+    return usable(values)
 
 
 def from_events(run_dir: Path) -> Optional[RunMeasures]:
-    """Medians over `RUN_DIR/events.jsonl`: each save staged (stall) and committed (its
-    whole duration), each resume (restore); None when it holds no committed save."""
+    """Medians over `RUN_DIR/events.jsonl` (train/events.py): each save staged (the stall)
+    and committed (its whole duration), each resume; None when it holds no committed save."""
     path = run_dir / "events.jsonl"
     if not path.is_file():
         return None
     records = read_json_lines(path)
-    stalls = seconds_of(records, "save_staged", "stall_seconds")
-    saves = seconds_of(records, "save_committed", "seconds")
-    restores = seconds_of(records, "resume", "restore_seconds")
+    stalls = usable([r.get("stall") for r in rank0_events(records, "save_staged")])
+    saves = usable([r.get("seconds") for r in rank0_events(records, "save_committed")])
+    restarts = restart_seconds(records)
     if not stalls or not saves:
         return None
     return RunMeasures(statistics.median(saves), statistics.median(stalls),
-                       statistics.median(restores) if restores else None,
+                       statistics.median(restarts) if restarts else None,
                        step_seconds(run_dir), f"{path} ({len(saves)} saves, "
-                                                f"{len(restores)} resumes)")
+                                                f"{len(restarts)} resumes)")
 
 
 def step_seconds(run_dir: Path) -> Optional[float]:
@@ -267,7 +279,7 @@ def measured_in(run_dir: Path) -> RunMeasures:
     measures = from_events(run_dir)
     if measures is None:
         raise PlanError(f"{run_dir} records no committed checkpoint save (no events.jsonl "
-                        f"with save_staged and save_committed lines): run it with "
+                        f"with save_staged and save_committed events): run it with "
                         f"checkpoint.enabled=true until it saves, or give --stall-seconds "
                         f"and --restart-seconds")
     return measures
@@ -315,7 +327,7 @@ def measures_of(args: argparse.Namespace) -> Measures:
     if args.from_run is not None:
         run = measured_in(args.from_run)
         print(f"measured in {run.source}: save {duration(run.save)}, stall "
-              f"{duration(run.stall)}" + (f", restore {duration(run.restart)}"
+              f"{duration(run.stall)}" + (f", restart {duration(run.restart)}"
                                           if run.restart else ""))
         restart = args.restart_seconds or run.restart
         if restart is None:

@@ -86,23 +86,32 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
     assert err.startswith("error: ") and says in err and err.count("\n") == 1
 
 
-def test_from_run_reads_the_measured_stall_save_and_restore(tmp_path, capsys):
-    events = [{"event": "save_staged", "step": s, "stall_seconds": 0.5} for s in (10, 20, 30)]
-    events += [{"event": "save_committed", "step": s, "seconds": 4.0} for s in (10, 20, 30)]
-    events += [{"event": "resume", "step": 20, "restore_seconds": 12.0}]
-    lines = [json.dumps(e) for e in events] + ["not json", '{"event": "save_sta']
+def test_from_run_reads_the_measured_stall_save_and_restart(tmp_path, capsys):
+    """From events.jsonl as train/events.py writes it: rank 0's saves, and a resumed
+    process's start-up and load; torn and foreign lines are skipped."""
+    events = [{"kind": "start", "time": 100.0, "rank": 0, "pid": 7}]
+    for step in (10, 20, 30):
+        for rank in (0, 1):  # every rank records its saves
+            events += [{"kind": "save_staged", "rank": rank, "step": step, "stall": 0.5 + rank},
+                       {"kind": "save_committed", "rank": rank, "step": step,
+                        "seconds": 4.0 + rank}]
+    events += [{"kind": "start", "time": 500.0, "rank": 0, "pid": 8},
+               {"kind": "resume", "time": 512.0, "rank": 0, "pid": 8, "step": 20,
+                "seconds": 2.0},
+               {"kind": "resume", "rank": 0, "pid": 9, "step": 20, "seconds": "x"}]
+    lines = [json.dumps(e) for e in events] + ["not json", "[1]", '{"kind": "save_sta']
     (tmp_path / "events.jsonl").write_text("\n".join(lines))
     (tmp_path / "goodput.json").write_text(json.dumps(
         {"seconds": {"compute": 9.0, "data_wait": 1.0}, "counted_steps": 100}))
     assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 0
     out = capsys.readouterr().out
-    assert "save 4 s, stall 0.5 s, restore 12 s" in out and "(3 saves, 1 resumes)" in out
+    assert "save 4 s, stall 0.5 s, restart 12 s" in out and "(3 saves, 1 resumes)" in out
     assert "restart R = 12 s, step 0.1 s" in out
     young_sync = next(line for line in out.splitlines() if line.startswith("sync"))
     assert f"{math.ceil(math.sqrt(2 * 4 * HOUR) / 0.1):,}" in young_sync
 
 
 def test_from_run_without_saves_says_what_is_missing(tmp_path, capsys):
-    (tmp_path / "events.jsonl").write_text('{"event": "start"}\n')
+    (tmp_path / "events.jsonl").write_text('{"kind": "start", "rank": 0}\n')
     assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 2
     assert "no committed checkpoint save" in capsys.readouterr().err
