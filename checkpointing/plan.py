@@ -231,12 +231,12 @@ def usable(values: List[object]) -> List[float]:
             if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0]
 
 
-def restart_seconds(records: List[Dict]) -> List[float]:
-    """For each resume: from its process's start (imports included) to the checkpoint
-    loaded; the load alone where that start is not recorded."""
+def since_start(records: List[Dict], kind: str) -> List[float]:
+    """For each rank-0 `kind` event: seconds since its process started (imports included);
+    `seconds` of the event itself where that start is not recorded."""
     began = {r.get("pid"): r.get("time") for r in rank0_events(records, "start")}
     values: List[object] = []
-    for r in rank0_events(records, "resume"):
+    for r in rank0_events(records, kind):
         start, end = began.get(r.get("pid")), r.get("time")
         timed = all(isinstance(v, (int, float)) for v in (start, end))
         values.append(end - start if timed else r.get("seconds"))
@@ -252,13 +252,16 @@ def from_events(run_dir: Path) -> Optional[RunMeasures]:
     records = read_json_lines(path)
     stalls = usable([r.get("stall") for r in rank0_events(records, "save_staged")])
     saves = usable([r.get("seconds") for r in rank0_events(records, "save_committed")])
-    restarts = restart_seconds(records)
     if not stalls or not saves:
         return None
+    # A restart is a start-up plus a load: a run never resumed shows its start-up alone.
+    restarts, what = since_start(records, "resume"), "resumes"
+    if not restarts:
+        restarts, what = since_start(records, "first_step"), "starts, no resume"
     return RunMeasures(statistics.median(saves), statistics.median(stalls),
                        statistics.median(restarts) if restarts else None,
                        step_seconds(run_dir), f"{path} ({len(saves)} saves, "
-                                                f"{len(restarts)} resumes)")
+                                                f"{len(restarts)} {what})")
 
 
 def step_seconds(run_dir: Path) -> Optional[float]:
@@ -331,7 +334,7 @@ def measures_of(args: argparse.Namespace) -> Measures:
                                           if run.restart else ""))
         restart = args.restart_seconds or run.restart
         if restart is None:
-            raise PlanError(f"{args.from_run} records no resume: give --restart-seconds")
+            raise PlanError(f"{args.from_run} records no process start: give --restart-seconds")
         stall = args.stall_seconds or run.save
         async_stall = args.async_stall_seconds or run.stall
         step = args.step_seconds or run.step

@@ -115,3 +115,14 @@ def test_from_run_without_saves_says_what_is_missing(tmp_path, capsys):
     (tmp_path / "events.jsonl").write_text('{"kind": "start", "rank": 0}\n')
     assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 2
     assert "no committed checkpoint save" in capsys.readouterr().err
+
+
+def test_from_run_never_resumed_takes_the_start_up_as_the_restart(tmp_path, capsys):
+    events = [{"kind": "start", "time": 100.0, "rank": 0, "pid": 7},
+              {"kind": "first_step", "time": 109.0, "rank": 0, "pid": 7, "step": 1},
+              {"kind": "save_staged", "rank": 0, "step": 2, "stall": 0.1},
+              {"kind": "save_committed", "rank": 0, "step": 2, "seconds": 1.0}]
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in events))
+    assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 saves, 1 starts, no resume)" in out and "restart R = 9 s" in out
