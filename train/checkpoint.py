@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from checkpointing import plan
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from train.config import ResumeMode
@@ -55,31 +58,69 @@ def build_manager(cfg: DictConfig, world: World,
 
 
 class CheckpointSchedule:
-    """When to save: every `interval_steps`, or by Young/Daly when `auto_interval` is set,
-    and always at the final step."""
+    """When to save: every `interval_steps`, or with `auto_interval` at the exact
+    exponential model's optimum (checkpointing.plan) for the measured stall and step time
+    and `checkpoint.mtbf_hours`, re-picked after each save; always at the final step."""
+
+    # Measures in each running median: the first save (buffers allocated, workers started)
+    # and a save that met background contention must not swing the interval.
+    WINDOW = 5
+    # A new pick replaces the interval only when it differs by more than this share: goodput
+    # is flat near the optimum (10% off it costs under 0.5% of the loss), so smaller moves
+    # would be noise, logged at every save.
+    CHANGE = 0.1
 
     def __init__(self, cfg: DictConfig, start_step: int) -> None:
         self.interval = cfg.checkpoint.interval_steps  # >= 1: the schema's bounds
         self.auto = cfg.checkpoint.auto_interval
         self.mtbf_seconds = cfg.checkpoint.mtbf_hours * 3600
+        # Until a resume measures one: it sets the predicted goodput, not the interval.
+        self.restart_seconds, self.restart_source = cfg.checkpoint.restart_seconds, "assumed"
+        self.stalls: Deque[float] = deque(maxlen=self.WINDOW)
+        self.saves: Deque[float] = deque(maxlen=self.WINDOW)
+        self.steps: Deque[float] = deque(maxlen=self.WINDOW)
         self.last_save_step = start_step  # a resumed run is at a checkpoint already
         self.last_time = time.perf_counter()
 
     def due(self, step: int, final: bool) -> bool:
         return final or step - self.last_save_step >= self.interval
 
+    def resumed(self, step: int, restore_seconds: float) -> None:
+        """The process resumed at `step`, the load having taken `restore_seconds`."""
+        self.last_save_step, self.last_time = step, time.perf_counter()
+        self.restart_seconds, self.restart_source = restore_seconds, "measured at resume"
+
     def saved(self, step: int, stall_seconds: float, save_seconds: float) -> None:
-        """Re-plan after a save: T = sqrt(2 * C * MTBF), C the measured stall; never more
-        often than a save takes to finish in the background (`save_seconds`)."""
+        """A save at `step` blocked the loop `stall_seconds`; the last finished one took
+        `save_seconds` in all (async: in the background). Re-plan from the medians."""
         now = time.perf_counter()
         if self.auto and step > self.last_save_step:
-            step_seconds = (now - self.last_time) / (step - self.last_save_step)
-            optimal = math.sqrt(2 * max(stall_seconds, 1e-3) * self.mtbf_seconds)
-            floor = save_seconds / max(step_seconds, 1e-9)
-            self.interval = max(1, math.ceil(max(optimal / max(step_seconds, 1e-9), floor)))
-            log.info("checkpoint interval: %d steps (Young/Daly: stall %.3fs, MTBF %.1fh)",
-                     self.interval, stall_seconds, self.mtbf_seconds / 3600)
+            self.stalls.append(stall_seconds)
+            self.saves.append(save_seconds)
+            work = max(now - self.last_time - stall_seconds, 0.0)
+            self.steps.append(work / (step - self.last_save_step))
+            self.replan()
         self.last_save_step, self.last_time = step, now
+
+    def replan(self) -> None:
+        """The exact model's optimum in steps, never shorter than a save takes to finish
+        (one save at a time: a sooner one would wait for it, blocking the loop)."""
+        stall, save, step = (statistics.median(m) for m in (self.stalls, self.saves, self.steps))
+        step = max(step, 1e-9)
+        optimum = plan.exact_optimum(max(stall, 1e-6), self.mtbf_seconds)
+        pick = max(1, math.ceil(max(optimum, save) / step))
+        if abs(pick - self.interval) <= self.CHANGE * self.interval:
+            return
+        self.interval = pick
+        goodput = plan.exact_goodput(pick * step, stall, self.restart_seconds, self.mtbf_seconds)
+        why = ("the save's own duration, above the optimum" if save > optimum else
+               "the exact model's optimum")
+        log.info("checkpoint interval: %d steps (%s of %.3fs steps), %s; median stall "
+                 "%.3fs, save %.2fs, MTBF %s (checkpoint.mtbf_hours), restart %s (%s): "
+                 "expected goodput %.1f%% (Young: %d steps)", pick, plan.duration(pick * step),
+                 step, why, stall, save, plan.duration(self.mtbf_seconds),
+                 plan.duration(self.restart_seconds), self.restart_source, 100 * goodput,
+                 math.ceil(plan.young_interval(max(stall, 1e-6), self.mtbf_seconds) / step))
 
 
 @dataclass(frozen=True)
@@ -107,7 +148,7 @@ class Checkpointer:
         """Load the newest complete checkpoint of this run as `checkpoint.resume` says; None
         for a fresh start. Another run's checkpoint, or one whose identity keys changed,
         stops the run with a ConfigError."""
-        ck = self.cfg.checkpoint
+        ck, began = self.cfg.checkpoint, time.perf_counter()
         exists = self.manager.has_any_checkpoint()
         if ck.resume == ResumeMode.never:
             if exists:
@@ -131,6 +172,7 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint.resume=required but {ck.dir} holds no "
                                   f"checkpoint: check run.name / checkpoint.dir")
             return None
+        self.schedule.resumed(restored.position.step, time.perf_counter() - began)
         changed = changed_keys(info.config, current_config)
         if changed:
             log.warning("resuming with changed config keys: %s", ", ".join(changed))

@@ -326,8 +326,13 @@ class CheckpointConfig:
     # null = write straight to `dir` (right when `dir` is itself a local disk).
     staging_dir: Optional[str] = local_dir(None)
     interval_steps: int = bounded(100, ge=1)
-    auto_interval: bool = False  # choose the interval by Young/Daly from the measured stall
+    # Re-pick the interval after each save: the exact failure model's optimum
+    # (checkpointing.plan) for the measured stall and step time, and mtbf_hours.
+    auto_interval: bool = False
     mtbf_hours: float = bounded(4.0, gt=0)  # mean time between failures of the whole job
+    # From a failure to training again, until a resume measures it: auto_interval's log
+    # predicts goodput with it (the interval itself does not depend on it).
+    restart_seconds: float = bounded(60.0, gt=0)
     keep_last: int = bounded(3, ge=1)
     async_mode: AsyncMode = AsyncMode.thread
     resume: ResumeMode = ResumeMode.auto
