@@ -22,7 +22,7 @@ from data.redact import strip_credentials
 from data.loader import eval_batches
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
-from train import job_start
+from train import events, job_start
 from train.checkpoint import Checkpointer, build_manager, training_config
 from train.config import Device, Precision, StrategyName
 from train.distributed import World, init_world, launched_by_torchrun, shutdown_world
@@ -41,6 +41,7 @@ from train.preflight import preflight
 from train.runlock import hold_run_lock
 from train.state import (DataIdentity, ModelState, OptimizerState, Position, RNGState,
                          RunInfo, SchedulerState)
+from train.report import write_run_report
 from train.tracking import NullTracker, describe, start_tracker
 
 log = logging.getLogger(__name__)
@@ -48,16 +49,18 @@ log = logging.getLogger(__name__)
 
 def run(cfg: DictConfig) -> Dict[str, float]:
     """Train; a mistake the user can fix ends the process with one line and exit code 2."""
-    try:
-        return train(cfg)
-    except (ConfigError, DatasetError, CheckpointError, PreflightError, TrainingError) as err:
-        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
-        code = (EXIT_PREFLIGHT if isinstance(err, PreflightError)
-                else 1 if isinstance(err, TrainingError) else EXIT_CONFIG)
-        raise SystemExit(code) from None
-    except Preempted as stopped:
-        log.warning("%s", stopped)
-        raise SystemExit(EXIT_PREEMPTED) from None
+    with events.recording_exit():
+        try:
+            return train(cfg)
+        except (ConfigError, DatasetError, CheckpointError, PreflightError,
+                TrainingError) as err:
+            print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
+            code = (EXIT_PREFLIGHT if isinstance(err, PreflightError)
+                    else 1 if isinstance(err, TrainingError) else EXIT_CONFIG)
+            raise SystemExit(code) from None
+        except Preempted as stopped:
+            log.warning("%s", stopped)
+            raise SystemExit(EXIT_PREEMPTED) from None
 
 
 def train(cfg: DictConfig) -> Dict[str, float]:
@@ -95,6 +98,8 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     run_dir = Path(cfg.run.root) / cfg.run.name
     log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
              world.world_size)
+    events.open_timeline(run_dir, world.rank, world.world_size, events.wall_clock(start),
+                         lambda attempt: broadcast_object(attempt, world.control_group))
     faults = Faults.from_env(world.rank, run_dir)  # tests and demos only (GOODPUT_FAULT)
     tracker = start_tracker(cfg.logger, world)  # a dead store fails now, not after set-up
     if cfg.health.preflight:
@@ -185,6 +190,9 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         if job.checkpointer:
             job.checkpointer.close()
         goodput.save(ended=True)
+        events.record("end", step=job.plan.total_steps)
+        if world.rank == 0:
+            write_run_report(run_dir, tracker)
     weights = (full_state_dict(job.learner.model) if cfg.trainer.save_final_weights
                else None)  # a collective: every rank
     if weights is not None and world.rank == 0:

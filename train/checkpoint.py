@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from checkpointing import plan
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
+from train import events
 from train.config import ResumeMode
 from train.distributed import World
 from train.errors import ConfigError
@@ -143,6 +144,8 @@ class Checkpointer:
         self.identity, self.world_size, self.faults = identity, world_size, faults
         self.schedule = CheckpointSchedule(cfg, start_step=0)
         self.stall_seconds = 0.0  # the last save's, for the planner and the metrics
+        self._landing: Optional[tuple] = None  # (step, wall time begun) of the save in flight
+        self._failures_seen = 0
 
     def restore(self) -> Optional[Restored]:
         """Load the newest complete checkpoint of this run as `checkpoint.resume` says; None
@@ -172,6 +175,8 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint.resume=required but {ck.dir} holds no "
                                   f"checkpoint: check run.name / checkpoint.dir")
             return None
+        events.record("resume", step=restored.position.step,
+                      seconds=time.perf_counter() - began)
         self.schedule.resumed(restored.position.step, time.perf_counter() - began)
         changed = changed_keys(info.config, current_config)
         if changed:
@@ -182,16 +187,25 @@ class Checkpointer:
     def save(self, position: Position, last_step: bool = False) -> float:
         """Start a checkpoint of `position` if one is due (always at the last step); returns
         how long the loop was blocked (0.0 when none was due)."""
+        # Committed in the background since the last step (the manager sets the step just
+        # before the seconds: a read in between takes the last save's, a time off a bit).
+        if self._landing and self.manager.last_complete_step == self._landing[0]:
+            self._record_landed()
         if not self.schedule.due(position.step, final=last_step):
             return 0.0
         state = {**self.components, **position_state(position, self.identity)}
+        began = time.time()
         self.stall_seconds = self.manager.save(position.step, state)
+        self._record_landed()  # the previous save: the manager waited for it
+        events.record("save_staged", step=position.step, stall=self.stall_seconds)
+        self._landing = (position.step, began)
         self.schedule.saved(position.step, self.stall_seconds, self.manager.last_save_seconds)
         return self.stall_seconds
 
     def roll_back(self) -> Optional[Restored]:
         """The newest complete checkpoint, loaded into the live state (None: there is none)."""
         self.manager.wait()  # a save in flight holds a good, newer state: let it land
+        self._record_landed()
         return self._load_newest()
 
     def _load_newest(self, check_run: Callable[[], None] = lambda: None) -> Optional[Restored]:
@@ -229,7 +243,23 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait until the last save is committed (raises if it failed)."""
-        self.manager.close()
+        try:
+            self.manager.close()
+        finally:
+            self._record_landed()
+
+    def _record_landed(self) -> None:
+        """The timeline's record of how the save in flight ended, once the manager has
+        waited for it: committed (at the time it landed) or failed."""
+        if self._landing is None:
+            return
+        (step, began), self._landing = self._landing, None
+        if self.manager.failed_saves > self._failures_seen:
+            self._failures_seen = self.manager.failed_saves
+            events.record("save_failed", step=step, error=self.manager.last_failure[:300])
+        else:
+            seconds = self.manager.last_save_seconds
+            events.record("save_committed", at=began + seconds, step=step, seconds=seconds)
 
 
 def refuse_another_run(cfg: DictConfig, saved: RunInfo, current_config: Dict[str, str]) -> None:

@@ -17,6 +17,7 @@ from data.dataset import normalize
 from data.ledger import LedgerWriter, open_ledger
 from data.loader import Batch
 from data.metrics import data_metrics, record_batches
+from train import events
 from train.checkpoint import Checkpointer
 from train.errors import TrainingError
 from train.faults import NO_FAULTS, FaultHook
@@ -109,6 +110,7 @@ def fit(learner: Learner, loader_at: Callable[[Position], torch.utils.data.DataL
             record_batches(loader, micro_batches)
             if step == first_step:
                 last.update(log_first_batch(tracker, began))
+                events.record("first_step", step=step)
             if health.skipped(step):  # a rollback ruled this global batch out
                 record_step(ledger, plan, step, micro_batches, loss=None)
                 position = advance(learner, position, plan)
@@ -178,6 +180,7 @@ def log_window(window: Window, learner: Learner, loader: torch.utils.data.DataLo
         metrics.update(checkpointer.metrics())
     metrics.update(goodput.metrics())
     goodput.save()
+    events.progress(step)
     tracker.log_metrics(metrics, step)
     bar.update(step, metrics)
     return metrics
@@ -229,6 +232,9 @@ def roll_back(outcome: StepOutcome, step: int, health: HealthMonitor,
     log.warning("%s: rolled back to step %d%s (rollback %d of at most %d)", outcome.problem,
                 restored.position.step, skipped, health.rollbacks, health.cfg.max_rollbacks)
     tracker.log_metrics({"health/rollbacks": float(health.rollbacks)}, step)
+    events.record("fault", source="health", error=outcome.problem, step=step)
+    events.record("rollback", step=step, to_step=restored.position.step,
+                  seconds=time.perf_counter() - began)
     if outcome.skip_batch:
         tracker.log_metrics({"health/skipped_step": float(step)}, step)
     goodput.rolled_back(step, restored.position.step, began)

@@ -56,6 +56,9 @@ class NullTracker:
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         pass
 
+    def log_artifact(self, path: Path) -> None:
+        pass
+
 
 class MLflowTracker:
     """Rank 0's MLflow run. A store that fails mid-run never stops training: metrics wait
@@ -176,6 +179,16 @@ class MLflowTracker:
         self.dropped += max(overflow, 0)
         if self.retry_at is None or time.monotonic() >= self.retry_at:
             self.flush()
+
+    def log_artifact(self, path: Path) -> None:
+        """Attach a file to the run; a store that fails only warns (it is a report)."""
+        if self.run_id is None:
+            return
+        try:
+            self.client.log_artifact(self.run_id, str(path))
+        except Exception as err:
+            log.warning("MLflow store %s failed to take %s (%s)", self.uri, path.name,
+                        one_line(err))
 
     def flush(self, final: bool = False) -> None:
         """Send what is pending; on failure keep it and try again after RETRY_SECONDS."""
