@@ -171,13 +171,25 @@ def counts(run: Run) -> Counts:
         committed += len(landed["committed"])
         failed += len(landed["failed"])
         cut += len(landed["cut short"])
-        sources = {e["source"] for e in attempt.of("fault", None)}
-        for source in ("exception", "preemption"):
-            failures[source] += source in sources
         failures["health"] += len(attempt.of("rollback"))
-        if attempt.exit_code is None and i < len(run.attempts) - 1:
-            failures["killed"] += 1  # died without a word, and the run went on
+        cause = ending(attempt, last=i == len(run.attempts) - 1)
+        if cause:
+            failures[cause] += 1
     return Counts(max(len(run.attempts) - 1, 0), committed, failed, cut, failures)
+
+
+def ending(attempt: Attempt, last: bool) -> Optional[str]:
+    """How an attempt failed, once per attempt (a killed rank's peers then fail too):
+    killed (a rank left no exit, and the run went on), preemption or exception; None for
+    a clean end, or for the last attempt while a rank of it may still be running."""
+    silent = {e.rank for e in attempt.of("start", None)} - {e.rank for e in
+                                                            attempt.of("exit", None)}
+    if silent:
+        return None if last else "killed"
+    if not attempt.exit_code:
+        return None
+    preempted = any(e["source"] == "preemption" for e in attempt.of("fault", None))
+    return "preemption" if preempted else "exception"
 
 
 def saves_of(run: Run, i: int) -> Dict[str, List[Tuple[float, int]]]:
@@ -248,12 +260,18 @@ def render(run: Run, out: Path) -> None:
     title = (f"{name}: goodput {run.goodput:.0%}" if run.goodput is not None
              else f"{name}: goodput unknown")
     c = counts(run)
-    fig.suptitle(f"{title}   ·   {c.restarts} restart(s), {c.committed} checkpoint(s), "
-                 f"{sum(c.failures.values())} failure(s)", fontsize=14, fontweight="bold")
+    fig.suptitle(f"{title}   ·   {plural(c.restarts, 'restart')}, "
+                 f"{plural(c.committed, 'checkpoint')}, "
+                 f"{plural(sum(c.failures.values()), 'failure')}", fontsize=14,
+                 fontweight="bold")
     draw_bar(bar, run)
     draw_timeline(timeline, run)
     fig.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(fig)
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def draw_bar(ax, run: Run) -> None:
@@ -322,6 +340,10 @@ def draw_timeline(ax, run: Run) -> None:
         ax.text(x(began), top * 1.07, f" attempt {i + 1}", fontsize=8.5, color="#444",
                 va="bottom", ha="left", clip_on=False)
         draw_curve(ax, attempt.curve(), targets, x, first_legend=i == 0)
+        for resume in attempt.of("resume"):
+            ax.annotate(f"resumed at step {resume['step']}\n(load {resume['seconds']:.1f} s)",
+                        (x(trained_from), resume["step"]), textcoords="offset points",
+                        xytext=(-6, 6), ha="right", fontsize=8.5, color=COLORS["restore"])
         nxt = run.attempts[i + 1] if i + 1 < len(run.attempts) else None
         if attempt.exit_code is None and nxt is not None:
             ax.axvspan(x(attempt.last), x(nxt.start), facecolor="none", hatch="////",
@@ -348,7 +370,10 @@ def draw_timeline(ax, run: Run) -> None:
                         fontsize=8.5, color="#333")
     draw_saves(ax, run, x)
     ax.set_ylim(0, top * 1.05)
-    ax.legend(loc="upper left", fontsize=8.5, frameon=False)
+    span = x(max(a.last for a in run.attempts)) or 1.0
+    ax.set_xlim(-0.01 * span, span * 1.06)  # room for the last exit's label
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, fontsize=8.5,
+              frameon=False)
 
 
 def draw_curve(ax, points: Sequence[Tuple[float, int]], targets: List[Tuple[float, int]],
