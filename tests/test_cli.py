@@ -40,6 +40,7 @@ def test_a_tiny_run_trains_logs_to_mlflow_and_saves_weights(tmp_path, tiny_root)
     assert run.data.params["data.num_workers"] == "2"
     config = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
     assert "global_batch_size: 20" in config.read_text()
+    assert "goodput.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
 
 def test_a_multirun_sweep_gives_one_mlflow_run_per_job(tmp_path, tiny_root):
