@@ -1,4 +1,5 @@
-"""Process groups: from torchrun's environment, else a 1-rank gloo group.
+"""Process groups: from torchrun's environment (or SLURM's, read as torchrun's: `srun python
+-m train`, train/slurm.py), else a 1-rank gloo group.
 
 Even a single process gets a group, so the checkpoint path is the same code at any scale
 (and DCP's process-based async save has one to use). Everything but training's own
@@ -18,6 +19,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from train.slurm import torchrun_environment
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ def init_world(device: torch.device, timeout_s: float = 300.0,
     within it instead of after torch's 30-minute default.
     """
     timeout, init_timeout = timedelta(seconds=timeout_s), timedelta(seconds=init_timeout_s)
+    os.environ.update(torchrun_environment(os.environ))  # a task of srun: its rank, its master
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
         pass

@@ -26,13 +26,23 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from train.errors import EXIT_CONFIG
+from train.errors import EXIT_CONFIG, ConfigError
+from train.slurm import torchrun_environment
 
 log = logging.getLogger(__name__)
 
 
+def _launcher_value(name: str, default: int) -> int:
+    """torchrun's variable `name` (RANK, WORLD_SIZE), else srun's task's (train/slurm.py),
+    else `default` (a single process)."""
+    try:
+        return int(os.environ.get(name) or torchrun_environment(os.environ).get(name, default))
+    except (ConfigError, ValueError):  # said in one line when the process group starts
+        return default
+
+
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))  # torchrun's; a single process is rank 0
+    return _launcher_value("RANK", 0)
 
 
 # This process's launch: when it started, and its pid (unique on this host at that time).
@@ -53,10 +63,12 @@ def register_resolvers() -> None:
 
 
 def refuse_multirun_under_torchrun() -> None:
-    """A sweep under torchrun would run every job on every rank, each rank sweeping on its
-    own: end at once, with one line pointing to a sweep from a single process."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and HydraConfig.get().mode == RunMode.MULTIRUN:
+    """A sweep under torchrun (or srun) would run every job on every rank, each rank sweeping
+    on its own: end at once, with one line pointing to a sweep from a single process. A job
+    that Hydra's submitit launcher started is one job of a sweep, its tasks the ranks of it."""
+    world_size = _launcher_value("WORLD_SIZE", 1)
+    if (world_size > 1 and HydraConfig.get().mode == RunMode.MULTIRUN
+            and "SUBMITIT_EXECUTOR" not in os.environ):
         print(f"error: a multirun sweep (-m, or hydra.mode=MULTIRUN) cannot run under torchrun "
               f"(WORLD_SIZE={world_size}): every rank would run every job. Sweep from a single "
               f"process instead (python -m train -m ..., or with a Hydra launcher plugin such "
