@@ -4,7 +4,7 @@ Layout under `checkpoint.dir`:
 
     step_000000100/                   a committed checkpoint (only ever by rename)
         .metadata  __0_0.distcp ...   DCP's files
-        commit_rank_0.json ...        one marker per rank: its files, sizes and sha256
+        commit_rank_0.json ...        one marker per rank: its files, sizes and checksums
     .step_000000200.partial-<id>/     an attempt in progress, or left by a crash
 
 Each rank writes its marker only after its own files are durable; rank 0 renames the
@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from checkpointing.checksums import marker_entry, parse_marker_entry
 from checkpointing.safe_load import METADATA_FILE, UnsafeCheckpointError, load_metadata
 from checkpointing.storage import Store
 
@@ -46,13 +47,20 @@ def marker_name(rank: int) -> str:
 @dataclass(frozen=True)
 class FileRecord:
     size: int
-    sha256: str
+    checksum: str  # hex digest
+    algorithm: str = "sha256"  # what markers recorded before XXH3 (checkpointing.checksums)
+
+    @classmethod
+    def from_marker(cls, name: str, entry: object) -> "FileRecord":
+        size, algorithm, checksum = parse_marker_entry(name, entry)
+        return cls(size, checksum, algorithm)
 
 
 def write_marker(store: Store, directory: str, step: int, rank: int, world_size: int,
                  files: Dict[str, FileRecord]) -> None:
     body = {"step": step, "rank": rank, "world_size": world_size,
-            "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in files.items()}}
+            "files": {name: marker_entry(r.size, r.algorithm, r.checksum)
+                      for name, r in files.items()}}
     store.write_bytes(store.path(directory, marker_name(rank)),
                       json.dumps(body, indent=1, sort_keys=True).encode())
 
@@ -88,8 +96,7 @@ def verify(store: Store, directory: str, step: int, checksums: bool = True) -> i
                              f"commit marker")
         try:
             body = json.loads(store.read_bytes(path))
-            files = {n: FileRecord(int(f["size"]), str(f["sha256"]))
-                     for n, f in body["files"].items()}
+            files = {n: FileRecord.from_marker(n, f) for n, f in body["files"].items()}
             marker_step, marker_world = int(body["step"]), int(body["world_size"])
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
             raise Incomplete(f"{marker_name(rank)} is unreadable "
@@ -114,7 +121,7 @@ def verify(store: Store, directory: str, step: int, checksums: bool = True) -> i
         size = store.size(path)
         if size != record.size:
             raise Incomplete(f"{name} is {size} bytes, its marker says {record.size}")
-        if checksums and store.sha256(path) != record.sha256:
+        if checksums and store.checksum(path, record.algorithm) != record.checksum:
             raise Incomplete(f"{name} does not match its checksum (altered or swapped)")
     try:
         with store.fs.open(store.path(directory, METADATA_FILE), "rb") as f:

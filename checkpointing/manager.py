@@ -24,18 +24,20 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpointing import commit
 from checkpointing.commit import FileRecord
-from checkpointing.safe_load import METADATA_FILE, SafeLoadPlanner, safe_reader
+from checkpointing.safe_load import SafeLoadPlanner, safe_reader
 from checkpointing.storage import Store
 from checkpointing.verify import listed_files
+from checkpointing.writer import Writer, take_records
+from checkpointing.checksums import WRITE_ALGORITHM
 from common.distributed import broadcast_object
-from common.files import CHUNK, sha256_of
+from common.files import CHUNK
 
 log = logging.getLogger(__name__)
 
@@ -97,25 +99,20 @@ def _megabytes(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def _not_a_failed_save(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("Checkpoint save failed")
+class _WarmStager(DefaultStager):
+    """Copies the state into CPU buffers allocated at the first save and reused by every
+    later one (DCP keys them by the live tensors' storages), so an async save blocks the
+    loop for one copy into warm memory, not an allocating one (page faults cost several
+    times the copy). Pinned on CUDA (fast device-to-host copies); in shared memory for
+    `process`, so handing the snapshot to DCP's process copies nothing more. Reuse is safe
+    because at most one save is in flight: `save` waits for the previous one first."""
 
+    _synchronize_after_execute = False  # the copy is done when stage() returns
 
-class _Writer(FileSystemWriter):
-    """DCP's file writer. With `async_mode=process` it runs in DCP's background process,
-    which logs a failed save with every rank's traceback before handing the error back;
-    the trainer reports it in one line, so that process drops its own record."""
-
-    def write_data(self, *args: Any, **kwargs: Any) -> Any:
-        root = logging.getLogger()
-        if _not_a_failed_save not in root.filters:
-            root.addFilter(_not_a_failed_save)
-        return super().write_data(*args, **kwargs)
-
-
-def _hash_file(path: Path) -> FileRecord:
-    with open(path, "rb") as f:
-        return FileRecord(path.stat().st_size, sha256_of(f))
+    def __init__(self, share_memory: bool) -> None:
+        super().__init__(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                        use_shared_memory=share_memory,
+                                        use_async_staging=False, use_non_blocking_copy=False))
 
 
 class Loaded(NamedTuple):
@@ -151,6 +148,7 @@ class CheckpointManager:
         self.failed_saves = 0
         self._verified: set = set()  # (store url, step) whose checksums were verified
         self.last_save_seconds = 0.0  # how long the last save took to commit
+        self._stager = _WarmStager(share_memory=options.async_mode == "process")
 
     # ---- collectives (a dedicated group, so they never interleave with training's) ----
 
@@ -204,10 +202,7 @@ class CheckpointManager:
         partial = commit.partial_dir_name(step, self.attempt)
         target = (self.staging / partial) if self.staging else Path(self.remote.path(partial))
         target.mkdir(parents=True, exist_ok=True)
-        # On CUDA, staging reuses one pinned host buffer across saves (fast device-to-host
-        # copies); that is safe because at most one save is in flight.
-        writer = _Writer(str(target), sync_files=True,
-                         cache_staged_state_dict=torch.cuda.is_available())
+        writer = Writer(str(target), self.rank)
         planner = DefaultSavePlanner()
         self._pending_step, self._pending_planner = step, planner
         if self.options.async_mode == "off":
@@ -222,7 +217,8 @@ class CheckpointManager:
         kind = (AsyncCheckpointerType.PROCESS if self.options.async_mode == "process"
                 else AsyncCheckpointerType.THREAD)
         future = dcp.async_save(state, storage_writer=writer, planner=planner,
-                                async_checkpointer_type=kind, **self._dcp_kwargs())
+                                async_stager=self._stager, async_checkpointer_type=kind,
+                                **self._dcp_kwargs())
         stall = time.perf_counter() - start
         self._pending = threading.Thread(target=self._finish_in_background,
                                          args=(future, step, target, start),
@@ -249,11 +245,8 @@ class CheckpointManager:
         """Upload this rank's files, write its marker; rank 0 renames once all are in."""
         self.fault_hook("written", step)
         partial = commit.partial_dir_name(step, self.attempt)
-        mine = sorted(p for p in target.iterdir()
-                      if p.name.startswith(f"__{self.rank}_") and p.suffix == ".distcp")
-        if self.rank == 0:
-            mine.append(target / METADATA_FILE)
-        records = {p.name: _hash_file(p) for p in mine}
+        records = self._written_records(target)
+        mine = [target / name for name in sorted(records)]
         remote_partial = self.remote.path(partial)
         if self.staging:
             self.remote.makedirs(remote_partial)
@@ -270,11 +263,28 @@ class CheckpointManager:
             self._rename_into_place(self.remote, partial, step)
             if self.local:
                 self._rename_into_place(self.local, partial, step)
+            # Where DCP wrote, every rank's checksums came from the bytes as they were
+            # written and fsynced: retention need not read them back (an uploaded copy,
+            # which nobody has checked yet, it does read).
+            self._verified.add(((self.local or self.remote).url, step))
             self.apply_retention(step)
         elif self.local and self.local_rank == 0:
             self._clean_local_partials(step)
         self.last_complete_step = step
         self.last_save_seconds = time.perf_counter() - start
+
+    def _written_records(self, target: Path) -> Dict[str, FileRecord]:
+        """This rank's files in `target` (rank 0's include `.metadata`), with the checksums
+        its writer took while writing them."""
+        records = {}
+        for name, (size, checksum) in take_records(target, self.rank).items():
+            # a byte that reached the file by another way than the hashing stream would
+            # change its size
+            if (target / name).stat().st_size != size:
+                raise CheckpointError(f"{target / name} is not the {size} bytes its writer "
+                                      f"checksummed")
+            records[name] = FileRecord(size, checksum, WRITE_ALGORITHM)
+        return records
 
     def _wait_for_markers(self, partial: str, step: int) -> None:
         deadline = time.monotonic() + self.options.commit_timeout_s

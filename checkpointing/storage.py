@@ -17,7 +17,8 @@ from typing import Callable, List, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from common.files import CHUNK, atomic_write, fsync_dir, sha256_of
+from checkpointing.checksums import checksum_of
+from common.files import CHUNK, atomic_write, fsync_dir
 from common.retry import retry
 
 # Network mounts report some conditions as errors that pass: rclone's write-back cache, for
@@ -81,12 +82,16 @@ class Store:
     def size(self, path: str) -> int:
         return int(_retrying(lambda: self.fs.size(path)))
 
-    def sha256(self, path: str) -> str:
+    def checksum(self, path: str, algorithm: str) -> str:
+        """The hex digest of the file at `path` (an algorithm of `checkpointing.checksums`)."""
         def read() -> str:
             with self.fs.open(path, "rb") as f:
-                return sha256_of(f)
+                return checksum_of(f, algorithm)
 
         return _retrying(read)
+
+    def sha256(self, path: str) -> str:
+        return self.checksum(path, "sha256")
 
     def read_bytes(self, path: str) -> bytes:
         return _retrying(lambda: self.fs.cat_file(path))

@@ -3,6 +3,8 @@ pickles, retention. (Killed-process tests are in test_resume.py.)"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -14,12 +16,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from checkpointing import commit
-from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
+from checkpointing import commit, verify
+from checkpointing.manager import (CheckpointError, CheckpointManager, CheckpointOptions,
+                                   _WarmStager)
 from checkpointing.storage import Store
 from support.checkpoints import flip_byte
 from support.tiny_job import (Job, Payload, load_into_fresh, manager, rewrite_marker, same,
                               two_checkpoints, with_planted_step)
+from train.distributed import init_world, shutdown_world
 
 
 @pytest.mark.parametrize("mode", ["off", "thread"])
@@ -62,23 +66,48 @@ def mutate_everything(job: Job) -> None:
     job.position = job.position.advanced(steps_per_epoch=3)
 
 
-def test_async_save_is_a_snapshot_taken_before_save_returns(tmp_path, monkeypatch):
+@pytest.fixture
+def one_rank_world(monkeypatch):
+    """A 1-rank gloo group: DCP's checkpoint process (`async_mode=process`) joins it."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # init_world sets them; restored after
+        monkeypatch.delenv(name, raising=False)
+    world = init_world(torch.device("cpu"))
+    yield world
+    shutdown_world()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_async_saves_are_snapshots_taken_before_save_returns(tmp_path, monkeypatch, mode,
+                                                             one_rank_world):
+    """Everything is changed the moment `save` returns, while the write is in flight (slowed
+    in this process; DCP's process first receives and plans the save); each of several
+    saves, the later ones copying into the buffers of the first, holds the values at its
+    own save: neither torn nor stale."""
     SlowWriter(monkeypatch, 0.5)
     job = Job()
-    mgr = manager(tmp_path / "ckpt", async_mode="thread")
-    mgr.save(1, job.state())
-    expected = job.snapshot()
-    mutate_everything(job)  # while the slowed write is still in flight
-    assert mgr._pending is not None and mgr._pending.is_alive()
+    world = one_rank_world
+    mgr = CheckpointManager(CheckpointOptions(dir=str(tmp_path / "ckpt"), async_mode=mode,
+                                              keep_last=3),
+                            world.rank, world.world_size, world.control_group)
+    expected = {}
+    for step in (1, 2, 3):
+        mgr.save(step, job.state())
+        expected[step] = job.snapshot()
+        mutate_everything(job)
+        if mode == "thread":
+            assert mgr._pending is not None and mgr._pending.is_alive()
     mgr.close()
-    _, loaded = load_into_fresh(manager(tmp_path / "ckpt"))
-    assert same(loaded, expected)
+    assert not same(expected[1]["model"], expected[2]["model"])  # each save is told apart
+    for step in (1, 2, 3):
+        fresh = Job(seed=123)
+        assert manager(tmp_path / "ckpt").load(step, fresh.state())
+        assert same(fresh.snapshot(), expected[step]), step
 
 
 def test_the_snapshot_test_catches_a_torn_snapshot(tmp_path, monkeypatch):
     """Negative control: with staging that skips the copy, the mutations do leak."""
     SlowWriter(monkeypatch, 0.5)
-    monkeypatch.setattr(FileSystemWriter, "stage", lambda self, state_dict: state_dict)
+    monkeypatch.setattr(_WarmStager, "stage", lambda self, state_dict: state_dict)
     job = Job()
     mgr = manager(tmp_path / "ckpt", async_mode="thread")
     mgr.save(1, job.state())
@@ -87,6 +116,21 @@ def test_the_snapshot_test_catches_a_torn_snapshot(tmp_path, monkeypatch):
     mgr.close()
     _, loaded = load_into_fresh(manager(tmp_path / "ckpt"))
     assert not same(loaded["model"], expected["model"])
+
+
+def test_staging_reuses_its_buffers_and_copies_the_live_values():
+    """The second save copies into the memory of the first (no allocation, no page faults):
+    the same addresses, holding the new values."""
+    job = Job()
+    stager = _WarmStager(share_memory=False)
+    first = {k: v for k, v in stager.stage(job.model.state_dict()).items()}
+    addresses = {k: v.data_ptr() for k, v in first.items()}
+    mutate_everything(job)
+    second = stager.stage(job.model.state_dict())
+    assert {k: v.data_ptr() for k, v in second.items()} == addresses
+    live = job.model.state_dict()
+    assert all(torch.equal(second[k], live[k]) and second[k].data_ptr() != live[k].data_ptr()
+               for k in live)
 
 
 def test_async_and_sync_saves_hold_identical_content(tmp_path):
@@ -123,6 +167,52 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, co
     assert step == 1 and same(loaded, first)
     skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
     assert len(skipped) == 1 and "step_000000002" in skipped[0]
+
+
+def test_a_marker_of_earlier_versions_with_sha256_still_verifies(tmp_path, capsys):
+    """Markers written before XXH3 recorded sha256, as below: such a checkpoint still loads
+    and `checkpointing.verify` passes it, and a flipped bit in it is still caught."""
+    root, first = two_checkpoints(tmp_path)
+    step_dir = root / "step_000000002"
+    files = {name: {"size": (step_dir / name).stat().st_size,
+                    "sha256": hashlib.sha256((step_dir / name).read_bytes()).hexdigest()}
+             for name in (".metadata", "__0_0.distcp")}
+    (step_dir / "commit_rank_0.json").write_text(json.dumps(
+        {"files": files, "rank": 0, "step": 2, "world_size": 1}, indent=1, sort_keys=True))
+    assert verify.main([str(root)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("step_000000002  complete")
+    assert load_into_fresh(manager(root))[0] == 2
+    flip_byte(step_dir / "__0_0.distcp")
+    step, loaded = load_into_fresh(manager(root))
+    assert step == 1 and same(loaded, first)
+
+
+HOSTILE_ENTRIES = {
+    "unknown algorithm": lambda size, digest: {"size": size, "blake3": digest},
+    "no checksum": lambda size, digest: {"size": size},
+    "two checksums": lambda size, digest: {"size": size, "xxh3_64": digest,
+                                           "sha256": "0" * 64},
+    "short digest": lambda size, digest: {"size": size, "xxh3_64": digest[:-1]},
+    "not hex": lambda size, digest: {"size": size, "xxh3_64": "z" * 16},
+    "a number": lambda size, digest: {"size": size, "xxh3_64": 12345},
+    "a list": lambda size, digest: [size, digest],
+}
+
+
+@pytest.mark.parametrize("entry", sorted(HOSTILE_ENTRIES))
+def test_a_marker_entry_without_a_checksum_it_can_check_falls_back(tmp_path, caplog, entry):
+    root, first = two_checkpoints(tmp_path)
+    path = root / "step_000000002" / "commit_rank_0.json"
+    body = json.loads(path.read_text())
+    record = body["files"]["__0_0.distcp"]
+    body["files"]["__0_0.distcp"] = HOSTILE_ENTRIES[entry](record["size"], record["xxh3_64"])
+    path.write_text(json.dumps(body))
+    with caplog.at_level(logging.WARNING):
+        step, loaded = load_into_fresh(manager(root))
+    assert step == 1 and same(loaded, first)
+    skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    assert len(skipped) == 1 and "commit_rank_0.json is unreadable" in skipped[0], skipped
+    assert "\n" not in skipped[0]
 
 
 def test_when_no_checkpoint_is_valid_nothing_is_loaded(tmp_path):
