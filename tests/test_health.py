@@ -150,6 +150,27 @@ def test_goodput_moves_redone_steps_and_downtime_to_lost(tmp_path, monkeypatch):
     assert Goodput(tmp_path / "goodput.json", process_start=499.0).seconds["lost"] == 5.5
 
 
+def test_goodput_keeps_a_checkpointed_step_done_after_the_last_log_line(tmp_path, monkeypatch):
+    """A crash after a checkpoint but before the next log line: the resumed process starts
+    at that checkpoint, so the steps up to it are kept, not lost."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "time", lambda: 1000 + now[0])
+    first = Goodput(tmp_path / "goodput.json", process_start=0.0)
+    first.started(0)
+    for step in range(1, 4):  # 1s a step; a log line after step 1, a checkpoint at step 3
+        now[0] = step
+        first.step_done(step, data_wait=0.0, stall=0.5 if step == 3 else 0.0)
+        if step == 1:
+            first.save()
+    now[0] = 5  # dies at 4; a new process started at 4 reaches its loop at 5
+    second = Goodput(tmp_path / "goodput.json", process_start=4.0)
+    second.started(3)
+    assert second.counted_steps == 3
+    assert second.seconds == {"compute": 2.5, "data_wait": 0.0, "checkpoint_stall": 0.5,
+                              "restore": 1.0, "lost": 1.0}
+
+
 def test_a_bad_step_before_any_checkpoint_fails_once_then_is_skipped(tiny_root, tmp_path):
     """Nothing to roll back to: the process exits 1 with one line; the same command again
     (what torchrun --max-restarts does) starts afresh and skips that step's batch."""

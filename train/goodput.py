@@ -54,7 +54,9 @@ class Goodput:
 
     def step_done(self, step: int, data_wait: float, stall: float) -> None:
         """Step `step` is done: the loop time since the last one (its evaluation and logging
-        included) was compute but for `data_wait` and the checkpoint `stall`."""
+        included) was compute but for `data_wait` and the checkpoint `stall` (a save of this
+        step: the totals are written too, or a crash before the next log line would count
+        steps the resume keeps as lost)."""
         now = time.perf_counter()
         self.seconds["compute"] += max(now - self.mark - data_wait - stall, 0.0)
         self.seconds["data_wait"] += data_wait
@@ -62,6 +64,8 @@ class Goodput:
         self.counted_steps += 1
         self.reached = max(self.reached, step)
         self.mark = now
+        if stall > 0:
+            self.save()
 
     def rolled_back(self, bad_step: int, to_step: int, began: float) -> None:
         """A rollback that began at `began` (perf_counter) from `bad_step` to `to_step`: the
