@@ -1,6 +1,7 @@
 """How long does a checkpoint block training? ResNet-50 + AdamW state, side by side.
 
     python benchmarks/checkpoint_stall.py
+    python benchmarks/checkpoint_stall.py --profile off    # cProfile of a save, top lines
 
 One run measures, interleaved (a warm-up round, then the median of `--repeats` rounds):
 
@@ -9,14 +10,18 @@ One run measures, interleaved (a warm-up round, then the median of `--repeats` r
   (b) synchronous DCP         (CheckpointManager, checkpoint.async_mode=off)
   (c) async DCP, thread       (checkpoint.async_mode=thread)
   (d) async DCP, process      (checkpoint.async_mode=process)
-  (e) the limit: one in-memory copy of every tensor of the state
+  (e) the limit: one `copy_` of every tensor into preallocated (warm) buffers;
+      (e') the same into fresh memory (`clone()`), page faults included
 
 as the time the caller is blocked, and for (b)-(d) the total time until the checkpoint is
-committed (written, checksummed, marked, renamed). Then the total save time at 1 vs 2 ranks
-(`torchrun --standalone`, gloo, each rank holding a replica; DCP de-duplicates replicated
-tensors, so each rank writes about half), and the step-time overhead of checkpointing every
-5 steps in a real `python -m train` run (interleaved runs with and without, the best of
-each: other processes on a shared machine only ever slow a run down).
+committed (written, checksummed, fsynced, marked, renamed). "Back to back" is the blocked
+time of a save issued right after another one (it waits for the first to commit), and
+"stall" what `CheckpointManager.save` itself reports (the loop's
+`checkpoint/stall_seconds`). Then the marker checksums' throughput on the same bytes
+(sha256, CRC32C, XXH3-64), the total save time at 1 vs 2 ranks (`torchrun --standalone`,
+gloo, each rank holding a replica; DCP de-duplicates replicated tensors, so each rank
+writes about half), and the training overhead of checkpointing the default experiment every
+N steps (`--train-intervals`): interleaved `python -m train` runs with and without, medians.
 
 This file is run as a script (not `-m`): the process-based saver and torchrun start it
 again in new processes.
@@ -25,8 +30,11 @@ again in new processes.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import hashlib
 import json
 import os
+import pstats
 import re
 import shutil
 import statistics
@@ -41,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
+import xxhash
 
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from train.distributed import init_world, shutdown_world
@@ -48,8 +57,9 @@ from train.state import ModelState, OptimizerState
 
 MODES = {"b": "off", "c": "thread", "d": "process"}
 LABELS = {"a": "torch.save, full state", "a'": "torch.save + fsync", "b": "DCP synchronous",
-          "c": "DCP async, thread", "d": "DCP async, process", "e": "limit: one memory copy"}
-TRAIN_STEPS, TRAIN_BATCH, TRAIN_ROUNDS = 60, 64, 2
+          "c": "DCP async, thread", "d": "DCP async, process",
+          "e": "limit: copy_ into warm memory", "e'": "copy into fresh memory"}
+TRAIN_STEPS, TRAIN_BATCH = 75, 128  # the default experiment's batch
 
 
 def build_state() -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -70,11 +80,11 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))]
 
 
-def memory_copy(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """The least any consistent snapshot must do: copy every tensor once."""
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
-            "optim": {pid: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                      for pid, s in optimizer.state.items()}}
+def copy_into(buffers: List[torch.Tensor], tensors: List[torch.Tensor]) -> None:
+    """The least any consistent snapshot must do: copy every tensor once, into memory
+    that is already there."""
+    for buffer, tensor in zip(buffers, tensors):
+        buffer.copy_(tensor)
 
 
 def torch_save(obj: Any, path: Path, durable: bool) -> None:
@@ -91,43 +101,130 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def checksum_functions() -> Dict[str, Callable[[List[memoryview]], Any]]:
+    """Each algorithm over a list of buffers, as the writer would feed it. google-crc32c
+    only takes `bytes`, so each memoryview costs it a copy (measured: it is what the writer
+    would have to do); it is a benchmark-only dependency, left out when not installed."""
+    def sha256(views: List[memoryview]) -> str:
+        digest = hashlib.sha256()
+        for view in views:
+            digest.update(view)
+        return digest.hexdigest()
+
+    def xxh3_64(views: List[memoryview]) -> str:
+        digest = xxhash.xxh3_64()
+        for view in views:
+            digest.update(view)
+        return digest.hexdigest()
+
+    functions = {"sha256": sha256, "xxh3_64": xxh3_64}
+    try:
+        import google_crc32c
+    except ImportError:
+        return functions
+
+    def crc32c(views: List[memoryview]) -> int:
+        crc = 0
+        for view in views:
+            crc = google_crc32c.extend(crc, bytes(view))
+        return crc
+
+    functions["crc32c"] = crc32c
+    return functions
+
+
+def measure_checksums(tensors: List[torch.Tensor], repeats: int) -> Dict[str, float]:
+    """GB/s of each checksum over the state's bytes: interleaved rounds, medians."""
+    views = [memoryview(t.detach().contiguous().numpy()).cast("B") for t in tensors]
+    total = sum(v.nbytes for v in views)
+    functions = checksum_functions()
+    samples: Dict[str, List[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            samples[name].append(total / timed(lambda: fn(views)) / 1e9)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def save_back_to_back(manager: CheckpointManager, step: int, state: Dict[str, Any]
+                      ) -> Tuple[float, float]:
+    """(seconds blocked, what `save` reported) for a save issued while the previous one is
+    still in flight: the loop waits for it, and the stall must say so."""
+    manager.save(step, state)
+    start = time.perf_counter()
+    reported = manager.save(step + 1, state)
+    blocked = time.perf_counter() - start
+    if not manager.wait():
+        raise RuntimeError("a back-to-back save failed: see the log above")
+    return blocked, reported
+
+
 def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]], float]:
-    """{label: {"blocked": s, "total": s}} medians over `repeats` interleaved rounds, and
-    the state's size in MB."""
+    """{label: {"blocked": s, "total": s, ...}} medians over `repeats` interleaved rounds,
+    and the state's size in MB."""
     world = init_world(torch.device("cpu"))  # a 1-rank gloo group: async_mode=process needs one
     model, optimizer = build_state()
-    state_mb = sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer)) / 1e6
+    tensors = state_tensors(model, optimizer)
+    state_mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+    buffers = [torch.empty_like(t) for t in tensors]
+    copy_into(buffers, tensors)  # warm: every page is touched once, before any timing
     state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
     managers = {key: CheckpointManager(CheckpointOptions(dir=str(work / mode), async_mode=mode,
                                                          keep_last=2),
                                        world.rank, world.world_size, world.control_group)
                 for key, mode in MODES.items()}
-    samples: Dict[str, Dict[str, List[float]]] = {
-        k: {"blocked": [], "total": []} for k in LABELS}
+    samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in LABELS}
+    step = 0
     for round_ in range(repeats + 1):  # round 0 warms up (process start, page cache)
-        step = round_ + 1
         full = work / "torch_save.pt"
         plain = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        results = {"a": (timed(lambda: torch_save(plain, full, durable=False)),) * 2,
-                   "a'": (timed(lambda: torch_save(plain, full, durable=True)),) * 2,
-                   "e": (timed(lambda: memory_copy(model, optimizer)),) * 2}
+        results = {"a": {"blocked": timed(lambda: torch_save(plain, full, durable=False))},
+                   "a'": {"blocked": timed(lambda: torch_save(plain, full, durable=True))},
+                   "e": {"blocked": timed(lambda: copy_into(buffers, tensors))},
+                   "e'": {"blocked": timed(lambda: [t.clone() for t in tensors])}}
         for key, manager in managers.items():
+            step += 3
             start = time.perf_counter()
-            manager.save(step, state)
+            reported = manager.save(step, state)
             blocked = time.perf_counter() - start
             if not manager.wait():
                 raise RuntimeError(f"the {MODES[key]} save failed: see the log above")
-            results[key] = (blocked, time.perf_counter() - start)
+            total = time.perf_counter() - start
+            again, again_reported = save_back_to_back(manager, step + 1, state)
+            results[key] = {"blocked": blocked, "total": total, "stall": reported,
+                            "back_to_back": again, "back_to_back_stall": again_reported}
         full.unlink()
         if round_:
-            for key, (blocked, total) in results.items():
-                samples[key]["blocked"].append(blocked)
-                samples[key]["total"].append(total)
+            for key, values in results.items():
+                for kind, value in values.items():
+                    samples[key].setdefault(kind, []).append(value)
         print(f"  round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
-            f"({k}) {results[k][0]:.3f}s" for k in LABELS), flush=True)
+            f"({k}) {results[k]['blocked']:.3f}s" for k in LABELS), flush=True)
     shutdown_world()
     return {k: {kind: statistics.median(v) for kind, v in s.items()}
             for k, s in samples.items()}, state_mb
+
+
+def profile_saves(work: Path, mode: str, saves: int = 3, lines: int = 15) -> None:
+    """cProfile of `saves` saves after a warm-up one, top `lines` by own time. For the async
+    modes this is the loop's thread only: what blocks it."""
+    world = init_world(torch.device("cpu"))
+    model, optimizer = build_state()
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+    manager = CheckpointManager(CheckpointOptions(dir=str(work), async_mode=mode, keep_last=2),
+                                world.rank, world.world_size, world.control_group)
+    manager.save(1, state)
+    manager.wait()
+    profile = cProfile.Profile()
+    for step in range(2, saves + 2):
+        profile.enable()
+        manager.save(step, state)
+        if mode == "off":
+            manager.wait()
+        profile.disable()
+        manager.wait()
+    shutdown_world()
+    print(f"cProfile of {saves} saves, checkpoint.async_mode={mode}, ResNet-50 + AdamW:")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(lines)
 
 
 def ranks_worker(work: Path, repeats: int) -> None:
@@ -173,28 +270,32 @@ def measure_ranks(work: Path, repeats: int) -> List[Dict[str, Any]]:
     return results
 
 
-def measure_training(work: Path, interval: int) -> Dict[str, Dict[str, float]]:
-    """`python -m train` without and with checkpoints every `interval` steps: the best
-    run of each; a kind whose runs all failed is left out (the failures are printed)."""
+def measure_training(work: Path, intervals: List[int], rounds: int
+                     ) -> Dict[str, Dict[str, float]]:
+    """`python -m train +experiment=resnet` without checkpoints and with them every N steps
+    of `intervals` (thread and process): medians of `rounds` interleaved rounds. A kind
+    whose runs all failed is left out (the failures are printed)."""
     data = work / "shapes"
     subprocess.run([sys.executable, "-m", "data.synthetic", "--out", str(data), "--num-train",
                     str(TRAIN_STEPS * TRAIN_BATCH + 200), "--num-val", "200", "--size", "96"],
                    check=True, capture_output=True)
-    common = ["+experiment=resnet", f"data.root={data}", f"data.global_batch_size={TRAIN_BATCH}",
-              "logger=none", f"trainer.max_steps={TRAIN_STEPS}",
+    common = ["+experiment=resnet", f"data.root={data}", "logger=none",
+              f"trainer.max_steps={TRAIN_STEPS}",
               # one metrics window over the whole run: its images/s includes every stall
               f"trainer.log_every_steps={TRAIN_STEPS}", f"run.root={work / 'runs'}"]
-    every = f"checkpoint.interval_steps={interval}"
-    runs = {"no checkpoints": ["run.name=off", "checkpoint.enabled=false"],
-            "thread": ["run.name=thread", every, "checkpoint.async_mode=thread"],
-            "process": ["run.name=process", every, "checkpoint.async_mode=process"]}
-    results: Dict[str, Dict[str, float]] = {}
-    for round_ in range(TRAIN_ROUNDS):
+    runs = {"no checkpoints": ["run.name=off", "checkpoint.enabled=false"]}
+    for interval in intervals:
+        for mode in ("thread", "process"):
+            runs[f"{mode}, every {interval}"] = [
+                f"run.name={mode}{interval}", f"checkpoint.interval_steps={interval}",
+                f"checkpoint.async_mode={mode}"]
+    samples: Dict[str, Dict[str, List[float]]] = {}
+    for round_ in range(rounds):
         for label, extra in runs.items():
             shutil.rmtree(work / "runs", ignore_errors=True)  # a fresh run, not a resume
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "train", *common, *extra], cwd=work,
-                                  capture_output=True, text=True, timeout=600)
+                                  capture_output=True, text=True, timeout=900)
             wall = time.perf_counter() - start
             rate = re.findall(r"train/images_per_second=([\d.e+]+)", proc.stdout + proc.stderr)
             if proc.returncode or not rate:
@@ -202,45 +303,56 @@ def measure_training(work: Path, interval: int) -> Dict[str, Dict[str, float]]:
                 print(f"  round {round_}, {label}: python -m train failed, rc="
                       f"{proc.returncode}:\n{(proc.stdout + proc.stderr)[-1500:]}", flush=True)
                 continue
-            best = results.setdefault(label, {"images_per_second": 0.0, "wall_s": float("inf")})
-            best["images_per_second"] = max(best["images_per_second"], float(rate[-1]))
-            best["wall_s"] = min(best["wall_s"], wall)
+            runs_of = samples.setdefault(label, {"images_per_second": [], "wall_s": []})
+            runs_of["images_per_second"].append(float(rate[-1]))
+            runs_of["wall_s"].append(wall)
             print(f"  round {round_}, {label}: {float(rate[-1]):.1f} images/s, {wall:.1f}s "
                   f"wall", flush=True)
-    return results
+    return {label: {kind: statistics.median(v) for kind, v in values.items()}
+            for label, values in samples.items()}
 
 
-def report(stalls: Dict[str, Dict[str, float]], ranks: List[Dict[str, Any]],
-           training: Dict[str, Dict[str, float]], state_mb: float,
-           repeats: int, interval: int) -> None:
+def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
+           ranks: List[Dict[str, Any]], training: Dict[str, Dict[str, float]],
+           state_mb: float, repeats: int, rounds: int) -> None:
     # The machine may be shared: the load average says how much to trust small differences.
     print(f"\nResNet-50 + AdamW state: {state_mb:.1f} MB; median of {repeats} rounds after a "
           f"warm-up; torch {torch.__version__}, {os.cpu_count()} CPU cores, load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'':32} {'blocked (s)':>12} {'until committed (s)':>20}")
+    print(f"{'':36} {'blocked (s)':>11} {'committed (s)':>13} {'back to back (s)':>16} "
+          f"{'stall (s)':>9}")
     for key, label in LABELS.items():
-        total = f"{stalls[key]['total']:.3f}" if key in MODES else ""
-        print(f"{'(' + key + ')':4} {label:27} {stalls[key]['blocked']:12.3f} {total:>20}")
+        row = stalls[key]
+        cells = ([f"{row['total']:.3f}", f"{row['back_to_back']:.3f}",
+                  f"{row['back_to_back_stall']:.3f}"] if key in MODES else ["", "", ""])
+        print(f"{'(' + key + ')':5} {label:30} {row['blocked']:11.3f} {cells[0]:>13} "
+              f"{cells[1]:>16} {cells[2]:>9}")
     blocked = {k: v["blocked"] for k, v in stalls.items()}
     print("ratios (blocked): " + "  ".join(
         f"({x})/({y}) = {blocked[x] / blocked[y]:.3f}"
-        for x, y in [("c", "a"), ("d", "a"), ("c", "e"), ("d", "e"), ("c", "a'"),
-                     ("d", "a'")]))
-    print("\ntotal save time (synchronous DCP, until committed), same replicated state:")
-    for r in ranks:
-        shares = ", ".join(f"{b / 1e6:.0f}" for b in r["bytes_per_rank"])
-        print(f"  {r['ranks']} rank(s): {r['save_s']:.3f}s  (MB written per rank: {shares})")
-    print(f"  2 ranks / 1 rank = {ranks[1]['save_s'] / ranks[0]['save_s']:.2f}")
+        for x, y in [("c", "e"), ("d", "e"), ("c", "b"), ("d", "b"), ("c", "a'"),
+                     ("d", "a'"), ("e'", "e")]))
+    durable = blocked["a'"]
+    print("ratios (until committed / torch.save + fsync): " + "  ".join(
+        f"({x}) = {stalls[x]['total'] / durable:.2f}" for x in MODES))
+    print("\nchecksums over the state's bytes, GB/s (median of interleaved rounds): "
+          + "  ".join(f"{name} {rate:.2f} ({rate / checksums['sha256']:.1f}x sha256)"
+                      for name, rate in checksums.items()))
+    if ranks:
+        print("\ntotal save time (synchronous DCP, until committed), same replicated state:")
+        for r in ranks:
+            shares = ", ".join(f"{b / 1e6:.0f}" for b in r["bytes_per_rank"])
+            print(f"  {r['ranks']} rank(s): {r['save_s']:.3f}s  (MB written per rank: {shares})")
+        print(f"  2 ranks / 1 rank = {ranks[1]['save_s'] / ranks[0]['save_s']:.2f}")
     if "no checkpoints" in training:
         off = training["no checkpoints"]
-        print(f"\npython -m train, ResNet-18 + AdamW, {TRAIN_STEPS} steps of {TRAIN_BATCH} images "
-              f"at 64 px, a checkpoint every {interval} steps (async thread or process) "
-              f"vs none; best of {TRAIN_ROUNDS} interleaved runs each:")
+        print(f"\npython -m train +experiment=resnet (ResNet-18 + AdamW), {TRAIN_STEPS} steps of "
+              f"{TRAIN_BATCH} images at 64 px; median of {rounds} interleaved rounds:")
         for label, r in training.items():
-            overhead = ("" if r is off else f"  step-time overhead "
+            overhead = ("" if r is off else f"  training overhead "
                         f"{off['images_per_second'] / r['images_per_second'] - 1:+.1%}, wall "
                         f"time ratio {r['wall_s'] / off['wall_s']:.3f}")
-            print(f"  {label:15} {r['images_per_second']:7.1f} images/s  {r['wall_s']:6.1f}s "
+            print(f"  {label:18} {r['images_per_second']:7.1f} images/s  {r['wall_s']:6.1f}s "
                   f"wall (process start to exit){overhead}")
 
 
@@ -249,8 +361,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per method")
     parser.add_argument("--skip-training", action="store_true",
                         help="leave out the `python -m train` runs")
-    parser.add_argument("--train-interval", type=int, default=5,
+    parser.add_argument("--skip-ranks", action="store_true",
+                        help="leave out the 1 vs 2 ranks comparison")
+    parser.add_argument("--train-intervals", type=int, nargs="+", default=[25, 5],
                         help="checkpoint.interval_steps of the training runs")
+    parser.add_argument("--train-rounds", type=int, default=3,
+                        help="interleaved rounds of training runs")
+    parser.add_argument("--profile", choices=sorted(MODES.values()),
+                        help="only profile saves in this checkpoint.async_mode")
     parser.add_argument("--ranks-worker", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ranks_worker:
@@ -258,16 +376,24 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="checkpoint-stall-"))
     try:
+        if args.profile:
+            profile_saves(work, args.profile)
+            return
         started = time.perf_counter()
         print("stall per save, interleaved rounds:", flush=True)
         stalls, state_mb = measure_stalls(work, args.repeats)
-        print("1 vs 2 ranks (torchrun) ...", flush=True)
-        ranks = measure_ranks(work, args.repeats)
+        model, optimizer = build_state()
+        checksums = measure_checksums(state_tensors(model, optimizer), args.repeats + 2)
+        del model, optimizer
+        ranks: List[Dict[str, Any]] = []
+        if not args.skip_ranks:
+            print("1 vs 2 ranks (torchrun) ...", flush=True)
+            ranks = measure_ranks(work, args.repeats)
         training: Dict[str, Dict[str, float]] = {}
         if not args.skip_training:
             print("training runs ...", flush=True)
-            training = measure_training(work, args.train_interval)
-        report(stalls, ranks, training, state_mb, args.repeats, args.train_interval)
+            training = measure_training(work, args.train_intervals, args.train_rounds)
+        report(stalls, checksums, ranks, training, state_mb, args.repeats, args.train_rounds)
         print(f"\n(benchmark took {time.perf_counter() - started:.0f}s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)

