@@ -1,10 +1,11 @@
 """`python -m checkpointing.verify DIR`: re-check every checkpoint under DIR, one line each.
 
 A scrub for silent corruption: each `step_X` directory of a `checkpoint.dir` (a path or an
-fsspec URL) is verified against its commit markers' sizes and sha256 checksums, newest step
-first; attempts that never committed (`.step_X.partial-*`, `.step_X.replaced-*`) are listed
-as ignored, since resume never reads them. Exit code 0 when the newest checkpoint is
-complete, 1 otherwise (including no checkpoint at all), 2 when DIR does not exist.
+fsspec URL) is verified against its commit markers' sizes and checksums (XXH3-64, or sha256
+in markers of earlier versions), newest step first; attempts that never committed
+(`.step_X.partial-*`, `.step_X.replaced-*`) are listed as ignored, since resume never reads
+them. Exit code 0 when the newest checkpoint is complete, 1 otherwise (including no
+checkpoint at all), 2 when DIR does not exist.
 
     $ python -m checkpointing.verify outputs/resnet/checkpoints
     step_000000200  complete  (2 files, 134.2 MB, world size 1)
@@ -68,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m checkpointing.verify",
         description="Re-check every checkpoint under DIR against its commit markers' sizes "
-                    "and sha256 checksums; one line per checkpoint, newest first. Exit code "
+                    "and checksums; one line per checkpoint, newest first. Exit code "
                     "0 when the newest checkpoint is complete, 1 otherwise.")
     parser.add_argument("dir", metavar="DIR",
                         help="a checkpoint.dir (holding step_* directories): a path or an "
