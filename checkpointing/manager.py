@@ -1,10 +1,10 @@
 """CheckpointManager: `save(step, state)`, `wait()`, `load_latest(state)`.
 
-A save blocks the training loop only while DCP stages the state (a deep copy into CPU
-memory, so parameters, BatchNorm buffers and optimizer state mutated right after `save`
-returns do not leak in). Writing, the upload from the local staging tier, the per-rank commit
-markers, the rename to `step_X` and retention run in the background, one save at a time.
-See `checkpointing.commit` for what "complete" means.
+A save blocks the training loop only while the state is staged: one copy into CPU buffers
+allocated at the first save and reused (so parameters, BatchNorm buffers and optimizer state
+mutated right after `save` returns do not leak in). Writing, the upload from the local
+staging tier, the per-rank commit markers, the rename to `step_X` and retention run in the
+background, one save at a time. See `checkpointing.commit` for what "complete" means.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpointing import commit
+from checkpointing.checksums import WRITE_ALGORITHM
 from checkpointing.commit import FileRecord
 from checkpointing.safe_load import SafeLoadPlanner, safe_reader
 from checkpointing.storage import Store
 from checkpointing.verify import listed_files
 from checkpointing.writer import Writer, take_records
-from checkpointing.checksums import WRITE_ALGORITHM
 from common.distributed import broadcast_object
 from common.files import CHUNK
 
