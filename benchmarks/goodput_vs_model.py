@@ -46,7 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from checkpointing import plan  # noqa: E402
 from data import synthetic  # noqa: E402
 from support.launch import launch, torchrun, worker_pids  # noqa: E402
-from train.events import EVENTS_FILE, Event, read_events  # noqa: E402
+from train.events import EVENTS_FILE, read_events  # noqa: E402
 
 BATCH = 20
 IMAGES = 400  # 20 steps an epoch
@@ -59,17 +59,19 @@ class Measured:
     interval: int  # steps between checkpoints
     steps: int
     kills: int
-    wall: float  # launch to the last step
+    crashes: int  # failures not injected (a rank's exception): M counts them too
+    wall: float  # the first process's start to the last step
     stall: float  # C: mean stall per save
     restart: Optional[float]  # R: mean kill -> next first step (None: no clean restart)
-    startup: float  # the first attempt's launch -> first step
+    startup: float  # the first process's start -> its first step
     step: float  # compute + data wait per counted step
     compute_share: float  # f
     goodput: float  # measured: compute / everything accounted
 
     @property
     def mtbf(self) -> float:
-        return self.wall / self.kills if self.kills else math.inf
+        failures = self.kills + self.crashes
+        return self.wall / failures if failures else math.inf
 
     def steady(self, restart: float) -> float:
         return self.compute_share * model_goodput(self.interval * self.step, self.stall,
@@ -77,7 +79,7 @@ class Measured:
 
     def run(self, restart: float) -> float:
         """The model over this job: its first start-up, its full segments, its last one."""
-        if self.kills == 0:
+        if math.isinf(self.mtbf):
             seconds = self.startup + self.steps * self.step + self.saves * self.stall
             return self.compute_share * self.steps * self.step / seconds
         m = self.mtbf
@@ -123,17 +125,19 @@ def ended(run_dir: Path) -> bool:
 
 def inject_failures(job, run_root: Path, mtbf: float, rng: random.Random,
                     timeout: float) -> List[float]:
-    """SIGKILL a random live rank at exponentially distributed times (a failure that finds
-    no rank alive, between two attempts, strikes the next one to start) until the job
-    trains its last step. Returns the kill times."""
+    """SIGKILL a random live rank at exponentially distributed times from the first rank's
+    start (a failure that finds no rank alive, between two attempts, strikes the next one
+    to start) until the job trains its last step. Returns the kill times."""
     kills: List[float] = []
     deadline = time.time() + timeout
-    due = time.time() + rng.expovariate(1 / mtbf)
+    due = math.inf
     while job.poll() is None:
         if time.time() > deadline:
             os.killpg(job.pid, signal.SIGKILL)
             raise SystemExit(f"the job under {run_root} ran past {timeout:.0f}s: see its "
-                             f"job.log")
+                             f"log")
+        if math.isinf(due) and worker_pids(run_root):  # the failure clock starts with it
+            due = time.time() + rng.expovariate(1 / mtbf)
         if time.time() < due:
             time.sleep(min(due - time.time(), 0.2))
             continue
@@ -149,12 +153,23 @@ def inject_failures(job, run_root: Path, mtbf: float, rng: random.Random,
     return kills
 
 
+def snapshot(work: Path) -> Path:
+    """A copy of the trainer's packages and configs for the jobs to run (`python -m train`
+    imports from its working directory first): a restart must not import a checkout that
+    someone edits during the benchmark (one did here, and crashed on a half-made change)."""
+    src = work / "src"
+    for name in ("train", "data", "checkpointing", "common", "conf", "hydra_plugins"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    return src
+
+
 def run_job(work: Path, name: str, data: Path, nproc: int, steps: int, interval: int,
             mtbf: float, seed: int, fault: str = "") -> Measured:
     run_root = work / name
-    began = time.time()
     job = launch(torchrun(nproc, max_restarts=1000), train_args(data, run_root, steps, interval),
-                 fault=fault, log=work / f"{name}.log")
+                 fault=fault, log=work / f"{name}.log", cwd=work / "src")
     kills = (inject_failures(job, run_root, mtbf, random.Random(seed), timeout=1200)
              if not fault else [])
     if job.wait(timeout=600) != 0:
@@ -163,18 +178,22 @@ def run_job(work: Path, name: str, data: Path, nproc: int, steps: int, interval:
     run_dir = run_root / "r"
     if fault:  # the pilot: its one kill is the fault's, at the time its marker holds
         kills = [float(p.read_text()) for p in (run_dir / "faults").iterdir()]
-    return measure(run_dir, began, kills, steps, interval)
+    (run_root / "kills.json").write_text(json.dumps(kills))
+    return measure(run_dir, kills, steps, interval)
 
 
-def measure(run_dir: Path, began: float, kills: Sequence[float], steps: int,
-            interval: int) -> Measured:
+def measure(run_dir: Path, kills: Sequence[float], steps: int, interval: int) -> Measured:
+    """Its measures over what the accounting covers: from the first process's start (not
+    torchrun's own, before it) to the last step."""
     events = [e for e in read_events(run_dir / EVENTS_FILE).events if e.rank == 0]
     books = json.loads((run_dir / "goodput.json").read_text())
     seconds = books["seconds"]
     busy = seconds["compute"] + seconds["data_wait"]
+    began = min(e.time for e in events if e.kind == "start")
     firsts = [e.time for e in events if e.kind == "first_step"]
     end = next(e.time for e in events if e.kind == "end")
-    return Measured(interval, steps, len(kills), end - began,
+    crashes = sum(1 for e in events if e.kind == "fault" and e["source"] == "exception")
+    return Measured(interval, steps, len(kills), crashes, end - began,
                     statistics.fmean([e["stall"] for e in events if e.kind == "save_staged"]),
                     clean_restart(kills, firsts), firsts[0] - began,
                     busy / books["counted_steps"], seconds["compute"] / busy,
@@ -205,7 +224,9 @@ def table(rows: Sequence[Measured], restart: float, pick: int) -> str:
             f"{r.interval:>5} = {r.interval * r.step:5.1f}s {r.kills:>5} {r.mtbf:5.1f}s "
             f"{r.stall:6.3f}s {r_used:5.1f}s {r.step * 1e3:5.1f}ms {r.compute_share:5.1%}  "
             f"{r.goodput:8.1%} {r.steady(r_used):7.1%} {r.run(r_used):7.1%} "
-            f"{100 * (r.goodput - r.run(r_used)):+7.1f}p{mark}")
+            f"{100 * (r.goodput - r.run(r_used)):+7.1f}p{mark}"
+            + (f"  ({r.crashes} failure(s) not injected: see the job's log)"
+               if r.crashes else ""))
     return "\n".join(lines)
 
 
@@ -268,12 +289,13 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     opts = parser.parse_args()
     if opts.quick:
-        opts.work, opts.mtbf = 30.0, 12.0
+        opts.work, opts.mtbf = 30.0, 15.0
 
     work = Path(tempfile.mkdtemp(prefix="goodput-model-"))
     data = synthetic.generate(work / "data", IMAGES, 40, 32, seed=0, workers=1)
-    pilot = run_job(work, "pilot", data, opts.nproc, steps=60, interval=10, mtbf=opts.mtbf,
-                    seed=opts.seed, fault="kill:rank=0:step=40")
+    snapshot(work)
+    pilot = run_job(work, "pilot", data, opts.nproc, steps=150, interval=10,
+                    mtbf=opts.mtbf, seed=opts.seed, fault="kill:rank=0:step=100")
     restart = pilot.restart or pilot.startup
     pick = max(1, round(plan.exact_optimum(pilot.stall, opts.mtbf) / pilot.step))
     steps = math.ceil(opts.work / pilot.step)
