@@ -5,6 +5,11 @@ Layout under `cache_dir`:
     objects/<k[:2]>/<k>   cached files: the payload, then a footer (magic, length, crc32)
     locks/<k[:3]>         fetch locks (4096 stripes), so one process fetches, others wait
     state.lock, usage     the byte ledger of everything in objects/, guarded by a file lock
+    index/                each split's stored listing (data/index.py)
+
+Runs share a cache too (`default_cache_dir()`): a file is keyed by its URL, protocol
+included, and its size, and a split's index by its URL, so two datasets or two stores never
+share an entry, and the budget and the eviction span every dataset in the directory.
 
 The bookkeeping lives on disk because the readers are separate processes. A file is fetched
 from the volume at most once per node: a reader that misses takes the key's lock, looks
@@ -23,6 +28,7 @@ import hashlib
 import logging
 import os
 import struct
+import tempfile
 import threading
 import time
 import zlib
@@ -48,6 +54,20 @@ class Lookup:
 
     hit: bool
     volume_bytes: int
+
+
+def default_cache_dir() -> str:
+    """The node-wide cache that every run of this user shares unless `data.cache_dir` says
+    otherwise: `$XDG_CACHE_HOME/goodput-trainer`, else `~/.cache/goodput-trainer` (the XDG
+    rule: an empty or relative XDG_CACHE_HOME is ignored); without a home directory, one
+    per user under the temporary directory."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        home = os.path.expanduser("~")
+        if not os.path.isabs(home):  # no HOME and no password entry
+            return os.path.join(tempfile.gettempdir(), f"goodput-trainer-{os.getuid()}")
+        base = os.path.join(home, ".cache")
+    return os.path.join(base, "goodput-trainer")
 
 
 def cache_key(url: str, size: int) -> str:
@@ -147,6 +167,11 @@ class NodeCache:
                     f.write(payload)
                     f.write(FOOTER.pack(MAGIC, len(payload), zlib.crc32(payload)))
                 os.replace(tmp, path)
+                return
+            except FileNotFoundError:
+                # Another process's recount removed the fill, and its booking, as a dead
+                # one's: a pid alive on another host or in another PID namespace (runs
+                # sharing the directory) looks dead there. This read goes on uncached.
                 return
             except OSError as err:
                 with self._lock(self.root / "state.lock"):

@@ -96,7 +96,7 @@ class JpegFolderDataset(torch.utils.data.Dataset):
         return len(self.index.classes)
 
     def key(self, i: int) -> str:
-        return cache_key(self.volume.path(self.index.name(i)), int(self.index.sizes[i]))
+        return cache_key(self.volume.url_of(self.index.name(i)), int(self.index.sizes[i]))
 
     def fetch(self, i: int) -> bytes:
         """Sample i's bytes from the volume; BadFileError when it cannot be read or is no

@@ -135,7 +135,7 @@ def list_split(volume: Volume, split: str) -> DatasetIndex:
     offsets = np.zeros(len(names) + 1, dtype=np.int64)
     np.cumsum([len(n) for n in names], out=offsets[1:])
     # Stored under the cache directory: a URL's credentials stay out of it.
-    return DatasetIndex(strip_credentials(volume.path(split)), classes,
+    return DatasetIndex(strip_credentials(volume.url_of(split)), classes,
                         np.frombuffer(b"".join(names), dtype=np.uint8).copy(), offsets,
                         np.asarray(labels, dtype=np.int32), np.asarray(sizes, dtype=np.int64),
                         describe_left_out(left_out) if left_out else "")
@@ -144,7 +144,7 @@ def list_split(volume: Volume, split: str) -> DatasetIndex:
 def load_or_build(volume: Volume, split: str, store_dir: Optional[Path],
                   rebuild: bool = False) -> DatasetIndex:
     """The split's index: from `store_dir` when stored there before, else listed and stored."""
-    url = strip_credentials(volume.path(split))
+    url = strip_credentials(volume.url_of(split))
     path = None
     if store_dir is not None:
         name = f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-v{INDEX_FORMAT}.npz"

@@ -2,7 +2,8 @@
 
 The volume is `data.root` (a folder or an fsspec URL); the node cache is `data.cache_dir`
 (null: no cache, read through), which also stores the indexes, so a restart neither lists
-the volume again nor fetches a cached file twice.
+the volume again nor fetches a cached file twice. A root on local disk is not cached at all
+unless `data.cache=always` (data/locality.py tells local from remote).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from data.decode import DEFAULT_MAX_PIXELS
 from data.errors import DatasetError, OnBadFile
 from data.index import DatasetIndex, load_or_build
 from data.loader import VolumeLoader
+from data.locality import CacheUse, locate
 from data.progress import task_progress
+from data.redact import strip_credentials
 from data.sampler import Key
 from data.volume import MissingPathError, Volume
 
@@ -58,17 +61,42 @@ def generate_synthetic(syn: DictConfig) -> None:
 
 
 def open_cache(cfg: DictConfig) -> Optional[NodeCache]:
-    if cfg.cache_dir is None:
+    """The node cache for `data.root`, or None: with `data.cache=auto` a root on this node's
+    local disk is read in place (copying it would only double its disk use)."""
+    if cfg.cache_dir is None or not wants_cache(CacheUse(cfg.cache), str(cfg.root)):
         return None
     if cfg.cache_limit_gb <= 0:
         raise DatasetError(f"data.cache_limit_gb={cfg.cache_limit_gb} must be > 0: set a byte "
                            f"budget, or data.cache_dir=null to read without a cache")
+    warn_unless_local(cfg.cache_dir)
     try:
         return NodeCache(Path(cfg.cache_dir), int(cfg.cache_limit_gb * GB))
     except OSError as err:
         raise DatasetError(f"cannot use data.cache_dir={cfg.cache_dir} ({err.strerror}): "
                            f"point it at a writable local disk, or set data.cache_dir=null"
                            ) from None
+
+
+def wants_cache(use: CacheUse, root: str) -> bool:
+    if use is not CacheUse.auto:
+        return use is CacheUse.always
+    where = locate(root)
+    if where.local:
+        log.info("data.root %s is %s: reading it in place, no cache (data.cache=always "
+                 "caches it)", strip_credentials(root), where.describe())
+    else:
+        log.info("data.root %s is %s: caching it (data.cache=never reads it in place)",
+                 strip_credentials(root), where.describe())
+    return not where.local
+
+
+def warn_unless_local(cache_dir: str) -> None:
+    """The cache pays only on this node's own disk: a home directory on NFS (a cluster's
+    usual ~/.cache) is another network volume."""
+    where = locate(cache_dir)
+    if not where.local:
+        log.warning("data.cache_dir=%s is %s: the cache is only as fast as that; point "
+                    "data.cache_dir at local disk (NVMe)", cache_dir, where.describe())
 
 
 def build_datasets(cfg: DictConfig, seed: int

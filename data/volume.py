@@ -114,6 +114,16 @@ class Volume:
     def path(self, relative: str) -> str:
         return f"{self._root}/{relative}" if relative else self._root
 
+    def url_of(self, relative: str) -> str:
+        """`path(relative)` with its protocol: what names a file in the node cache and a
+        split in the stored indexes, so one path in two stores (`s3://b/x`, `gs://b/x`)
+        never shares an entry in a cache that every run of a node shares. A local path
+        stays a plain path."""
+        path = self.path(relative)
+        if isinstance(self.fs, LocalFileSystem) and self.fs.protocol == ("file", "local"):
+            return path
+        return self.fs.unstrip_protocol(path)
+
     def with_retries(self, what: str, action: Callable[[], T]) -> T:
         """`action()`, retried with backoff on transient errors; permanent ones propagate."""
         try:

@@ -1,13 +1,16 @@
 """The node cache with real processes: one fetch per file per node, a byte budget that holds
-across processes, corrupt entries refetched, reuse after a restart, a full disk."""
+across processes, corrupt entries refetched, reuse after a restart, a full disk; which roots
+it caches (local or not), and runs sharing one cache directory."""
 
 from __future__ import annotations
 
 import fcntl
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -18,7 +21,8 @@ import pytest
 import torch
 
 from data import synthetic
-from data.cache import FOOTER, NodeCache
+from data.cache import FOOTER, NodeCache, default_cache_dir
+from data.locality import Location, locate
 from data.pipeline import open_dataset
 from data.volume import Volume
 from support.runs import REPO
@@ -190,3 +194,109 @@ def test_a_full_cache_disk_evicts_then_reads_through_and_loses_nothing(tmp_path,
                 assert all(torch.equal(a, b) for a, b in zip(got, expected))
         assert message in caplog.text
         caplog.clear()
+
+
+# ---- the node-wide default cache: the locality rule, and runs sharing one directory ----
+
+def mountinfo(tmp_path: Path, *mounts: tuple) -> str:
+    """A /proc/self/mountinfo-format file of (device, mount point, type) lines, in order."""
+    path = tmp_path / "mountinfo"
+    path.write_bytes(b"".join(
+        b"%d 1 %s / %s rw,relatime shared:1 - %s src rw\n" % (
+            n, dev.encode(), point.replace(" ", "\\040").encode(), kind.encode())
+        for n, (dev, point, kind) in enumerate(mounts, 20)))
+    return str(path)
+
+
+def device(path: Path) -> str:
+    st = os.stat(path)
+    return f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+
+
+def test_a_root_is_local_only_on_a_local_filesystem_by_its_device(tmp_path):
+    here = tmp_path / "my data"
+    (here / "hidden").mkdir(parents=True)
+    dev = device(here)
+    # A FUSE mount by the device number stat gives; the escaped space is read back.
+    fuse = mountinfo(tmp_path, ("8:1", "/", "ext4"), (dev, str(here), "fuse.rclone"))
+    assert locate(str(here), fuse) == Location(False, "fuse.rclone", str(here))
+    assert locate(f"file://{here}/train", fuse).kind == "fuse.rclone"  # not created yet
+    # An NFS mount at here/hidden that a later local mount on `here` hides: the path's own
+    # device decides, not the longest mount point.
+    hidden = mountinfo(tmp_path, ("0:99", str(here / "hidden"), "nfs4"), (dev, str(here), "xfs"))
+    assert locate(str(here / "hidden"), hidden) == Location(True, "xfs", str(here))
+    # Types nobody listed count as remote; so do URLs and a missing mount table.
+    assert not locate(str(here), mountinfo(tmp_path, (dev, "/", "squashfs"))).local
+    assert locate("s3://bucket/imagenet", fuse) == Location(False, "url")
+    assert locate("slow:///data", fuse).kind == "url"
+    assert locate(str(here), str(tmp_path / "absent")) == Location(False, "unknown")
+
+
+@pytest.mark.skipif(not os.path.ismount("/dev/shm"), reason="needs /dev/shm as a mount")
+def test_a_symlink_is_judged_by_the_filesystem_it_leads_to(tmp_path):
+    target = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        (tmp_path / "link").symlink_to(target)
+        table = mountinfo(tmp_path, (device(tmp_path), "/", "ext4"),
+                          (device(target), "/dev/shm", "nfs"))
+        assert locate(str(tmp_path / "link"), table) == Location(False, "nfs", "/dev/shm")
+        assert locate(str(tmp_path), table).local
+    finally:
+        shutil.rmtree(target)
+
+
+def test_the_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == str(tmp_path / "goodput-trainer")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # ignored, as the XDG rule says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == str(tmp_path / "home" / ".cache" / "goodput-trainer")
+
+
+def test_a_fill_that_another_hosts_recount_reaped_is_served_uncached(tmp_path, monkeypatch):
+    """A process on another host (or PID namespace) sharing the directory sees this fill's
+    pid as dead and removes it mid-write: the read still succeeds, and the ledger stays
+    exact."""
+    cache, other = NodeCache(tmp_path / "c", 10 ** 6), NodeCache(tmp_path / "c", 10 ** 6)
+    reserve = NodeCache._reserve
+
+    def reserve_then_reaped(self, size, tmp):
+        booked = reserve(self, size, tmp)
+        with monkeypatch.context() as m:
+            m.setattr("data.cache.pid_alive", lambda pid: False)
+            other.reconcile()
+        return booked
+
+    monkeypatch.setattr(NodeCache, "_reserve", reserve_then_reaped)
+    data, lookup = cache.get("ab" * 20, lambda: b"x" * 1000)
+    assert (bytes(data), lookup.hit) == (b"x" * 1000, False)
+    assert cache.usage_bytes() == object_bytes(tmp_path / "c") == 0
+
+
+def test_two_stores_with_the_same_paths_never_share_a_cache_entry_or_an_index(tiny_root,
+                                                                               tmp_path):
+    """`memory://<tiny_root>` holds the same names and sizes as the local `tiny_root` with
+    other bytes: one shared cache must serve each store its own files and its own index."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    flipped = {}
+    for path in (tiny_root / "train").rglob("*.jpg"):
+        path = str(path.relative_to(tiny_root))
+        blob = bytearray((tiny_root / path).read_bytes())
+        blob[len(blob) // 2] ^= 0xFF  # same size, still starts like a JPEG
+        memory.pipe_file(f"{tiny_root}/{path}", bytes(blob))
+        flipped[path] = bytes(blob)
+    try:
+        cache = NodeCache(tmp_path / "shared", 10 ** 9)
+        local = open_dataset(Volume(str(tiny_root)), "train", cache, 24, train=False, seed=0)
+        remote = open_dataset(Volume(f"memory://{tiny_root}"), "train", cache, 24,
+                              train=False, seed=0)
+        assert local.index.url != remote.index.url
+        assert len(list((tmp_path / "shared" / "index").iterdir())) == 2
+        for i in range(len(local)):
+            name = local.index.name(i)
+            assert bytes(local.read_bytes(i)[0]) == (tiny_root / name).read_bytes()
+            assert bytes(remote.read_bytes(i)[0]) == flipped[name]
+    finally:
+        memory.rm(str(tiny_root), recursive=True)

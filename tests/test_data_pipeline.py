@@ -1,5 +1,6 @@
 """The data path end to end in one process: exact-once over ranks and workers, bit-exact
-resume on another world size, bad files skipped deterministically, volume errors."""
+resume on another world size, bad files skipped deterministically, volume errors; and runs
+sharing the node-wide default cache."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from data.loader import Batch, VolumeLoader
 from data.pipeline import open_dataset
 from data.sampler import BatchPlan, GlobalBatchSampler, epoch_permutation
 from data.volume import Volume
+from support.launch import PYTHON, finish, launch
+from support.runs import tiny_overrides
 
 SEED = 7
 BAD = {  # file -> what is wrong with it; all are in the train split of `flawed_root`
@@ -213,3 +216,35 @@ def test_batches_are_identical_with_and_without_the_cache(tiny_root, tmp_path):
         stats["hits"] += int(b.stats[1])
     assert stats["hits"] == stats["lookups"] == 54
     assert sum(int(b.stats[1]) for b in direct) == 0
+
+
+def test_runs_share_the_default_node_cache_and_a_local_root_is_not_cached(tiny_root,
+                                                                          tmp_path):
+    """Two runs at once on a remote root share the default cache (XDG_CACHE_HOME): every
+    file leaves the volume once in all. A run on a root on local disk reads it in place and
+    adds nothing to the cache."""
+    reads, cache = tmp_path / "reads.log", tmp_path / "xdg" / "goodput-trainer"
+    env = dict(XDG_CACHE_HOME=str(tmp_path / "xdg"), GOODPUT_SLOWFS_LOG=str(reads),
+               GOODPUT_SLOWFS_LATENCY_MS="1")
+
+    def train(root: str, name: str):
+        return launch(PYTHON, ["-m", "train", *tiny_overrides(root), "model=tiny_cnn",
+                               "logger=none", "trainer.device=cpu", "checkpoint.enabled=false",
+                               f"run.root={tmp_path / 'runs'}", f"run.name={name}"],
+                      cwd=tmp_path, **env)
+
+    runs = [train(f"slow://{tiny_root}", name) for name in ("a", "b")]
+    for run in runs:
+        out = finish(run)
+        assert run.returncode == 0, out[-3000:]
+        assert "is a URL: caching it" in out
+    files = sorted(str(p) for p in tiny_root.rglob("*.jpg"))
+    assert sorted(reads.read_text().splitlines()) == files  # each once, over both runs
+    before = sorted(p.relative_to(cache) for p in cache.rglob("*") if p.is_file())
+    assert len(list((cache / "index").iterdir())) == 2  # train and val
+
+    local = train(str(tiny_root), "c")
+    out = finish(local)
+    assert local.returncode == 0, out[-3000:]
+    assert "is on " in out and "(local): reading it in place, no cache" in out
+    assert sorted(p.relative_to(cache) for p in cache.rglob("*") if p.is_file()) == before

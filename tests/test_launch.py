@@ -43,15 +43,16 @@ def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_p
     log file per rank, and a cache and a staging directory per node, the staging tier of
     either node left without partial checkpoints. It is the same 2-rank job as the
     standalone one, bit for bit."""
-    staging = tmp_path / "staging"
-    args = [a for a in train_args(tiny_root, tmp_path, f"checkpoint.staging_dir={staging}")
+    staging, cache = tmp_path / "staging", tmp_path / "cache"
+    args = [a for a in train_args(tiny_root, tmp_path, f"checkpoint.staging_dir={staging}",
+                                  f"data.cache_dir={cache}", "data.cache=always")
             if a != "run.name=r"]
     prefix = torchrun(1, nnodes="2", rdzv_endpoint=f"127.0.0.1:{free_port()}")
     agents = [launch(prefix, args) for _ in range(2)]
     for agent in agents:
         out = finish(agent)
         assert agent.returncode == 0, out[-4000:]
-    [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir() and p != staging]
+    [run_dir] = [p for p in tmp_path.iterdir() if p.is_dir() and p not in (staging, cache)]
     [record] = [p for p in (run_dir / ".hydra").iterdir() if p.name != "latest"]
     assert (run_dir / ".hydra" / "latest").resolve() == record
     assert sorted(os.listdir(record)) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
@@ -59,7 +60,7 @@ def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_p
     for rank, log in enumerate(["train.log", "train_rank1.log"]):
         assert f"run {run_dir.name} in {run_dir} on cpu (rank {rank} of 2)" in (
             run_dir / log).read_text()
-    assert sorted(os.listdir(run_dir / "data_cache")) == ["node_0", "node_1"]
+    assert sorted(os.listdir(cache)) == ["node_0", "node_1"]
     assert sorted(os.listdir(staging)) == ["node_0", "node_1"]
     # Rank 0's node drops its incomplete local copies (node 1 holds rank 1's files); node
     # 1 cleans its own, which nothing else ever did.

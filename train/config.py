@@ -21,7 +21,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from data.cache import default_cache_dir
 from data.errors import OnBadFile
+from data.locality import CacheUse
 from data.redact import strip_credentials
 from train.errors import ConfigError
 from train.launch import register_resolvers as register_launch_resolvers
@@ -185,6 +187,7 @@ DEFAULT_RUN_NAME_EXCLUDES = [
     "data.num_workers",
     "data.prefetch_factor",
     "data.cache_dir",
+    "data.cache",
     "data.cache_limit_gb",
     "data.prefetch_threads",
     "data.prefetch_batches",
@@ -235,8 +238,12 @@ class SyntheticConfig:
 class DataConfig:
     root: str = "${.synthetic.dir}"  # a folder (mounted volume) or an fsspec URL
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    # The node cache on local disk, shared by all ranks and workers of a node; null = none.
-    cache_dir: Optional[str] = local_dir("${run.root}/${run.name}/data_cache")
+    # The node cache on local disk, shared by all ranks, workers and runs of a node (default
+    # $XDG_CACHE_HOME/goodput-trainer or ~/.cache/goodput-trainer); null = none.
+    cache_dir: Optional[str] = local_dir("${goodput.user_cache_dir:}")
+    # auto: cache a root on the network (a URL, NFS, a FUSE mount), read one on local disk in
+    # place; always / never force it (data/locality.py has the rule)
+    cache: CacheUse = CacheUse.auto
     # Hard budget, 10^9 bytes; least recently used files go
     cache_limit_gb: float = bounded(50.0, gt=0)
     on_bad_file: OnBadFile = OnBadFile.skip  # a corrupt/unreadable file: skip it, or fail
@@ -464,5 +471,7 @@ def register_configs() -> None:
     """Register the schema and the resolvers; safe to call more than once."""
     if not OmegaConf.has_resolver("goodput.run_name"):
         OmegaConf.register_new_resolver("goodput.run_name", _resolve_run_name)
+    if not OmegaConf.has_resolver("goodput.user_cache_dir"):
+        OmegaConf.register_new_resolver("goodput.user_cache_dir", default_cache_dir)
     register_launch_resolvers()
     ConfigStore.instance().store(name="base_config", node=Config)
