@@ -4,7 +4,10 @@ CKPT is one `step_X` directory, or a `checkpoint.dir` (then its newest complete 
 used: highest parsed step that verifies, never file times). OUT is written with `torch.save`
 (or as safetensors when it ends in `.safetensors`) and holds exactly the keys of the
 model's own `state_dict()`, so `torchvision.models.get_model(name, num_classes=...)
-.load_state_dict(torch.load(OUT), strict=True)` accepts it.
+.load_state_dict(torch.load(OUT), strict=True)` accepts it. The model card (class names,
+num_classes, the normalization's mean and std, the image size), when the checkpoint records
+one, rides along where no loader trips on it: an attribute of the saved dict, or the
+safetensors metadata; `read_model_card(OUT)` reads it from either.
 
 The checkpoint is verified against its commit markers first (an incomplete or altered one
 is refused), and loading never executes code from it: `.metadata` goes through the
@@ -19,16 +22,19 @@ complete checkpoint or an unsafe one, or OUT cannot be written.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import tempfile
 import warnings
+from collections import OrderedDict
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -40,6 +46,8 @@ from checkpointing.storage import Store, StoreUnavailable
 from common.files import atomic_file
 
 MODEL_KEY = "model"
+# The checkpoint's record of the model card (train/app.py): JSON in the `run` header
+CARD_KEY = "run.config.model_card"
 
 log = logging.getLogger("checkpointing.export")
 
@@ -96,7 +104,10 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
                           f"tensors but the checkpoint's files hold {stored}")
     # Flat keys: DCP matches them to the saved fully qualified names directly. The rest of
     # the checkpoint (optimizer, RNG, ...) is simply not requested, so never read.
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()}
+    state: Dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype)
+                             for k, v in entries.items()}
+    if CARD_KEY in metadata.state_dict_metadata:
+        state[CARD_KEY] = ""
     try:
         with warnings.catch_warnings():
             # Loading in one process without a process group is the intent here.
@@ -106,7 +117,27 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
     except (CheckpointException, UnsafeCheckpointError) as err:
         raise ExportError(f"loading {checkpoint_dir} failed: {str(err).splitlines()[0]}") \
             from None
-    return {k[len(prefix):]: v for k, v in state.items()}
+    card = json.loads(state.pop(CARD_KEY)) if CARD_KEY in state else None
+    return with_model_card({k[len(prefix):]: v for k, v in state.items()}, card)
+
+
+def with_model_card(state: Dict[str, torch.Tensor],
+                    card: Optional[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """`state` with `card` as its `model_card` attribute: torch.save keeps it and
+    `torch.load(weights_only=True)` restores it, while load_state_dict never sees it."""
+    out: Dict[str, torch.Tensor] = OrderedDict(state)
+    if card is not None:
+        out.model_card = card  # type: ignore[attr-defined]
+    return out
+
+
+def read_model_card(path: Path) -> Optional[Dict[str, Any]]:
+    """The model card an exported file (or model_final.pt) carries, if any."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get("model_card")
+        return json.loads(text) if text else None
+    return getattr(torch.load(path, weights_only=True, map_location="cpu"), "model_card", None)
 
 
 def write(state: Dict[str, torch.Tensor], out: Path, step: int) -> None:
@@ -114,7 +145,10 @@ def write(state: Dict[str, torch.Tensor], out: Path, step: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(out) as f:
         if out.suffix == ".safetensors":
-            f.write(safetensors_bytes(state, metadata={"format": "pt", "step": str(step)}))
+            card = getattr(state, "model_card", None)
+            f.write(safetensors_bytes(state, metadata={
+                "format": "pt", "step": str(step),
+                **({"model_card": json.dumps(card)} if card else {})}))
         else:
             torch.save(state, f)
 

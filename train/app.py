@@ -5,26 +5,29 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import json
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from checkpointing.export import with_model_card
 from checkpointing.manager import NO_SPACE, CheckpointError
 from common.files import atomic_file
 from common.distributed import broadcast_object
 from data.errors import DatasetError
 from data.redact import strip_credentials
 from data.loader import eval_batches
+from data.dataset import IMAGENET_MEAN, IMAGENET_STD
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
 from train import events, job_start
 from train.checkpoint import Checkpointer, build_manager, training_config
-from train.config import Device, Precision, StrategyName
+from train.config import Device, LoggerName, Precision, StrategyName
 from train.distributed import World, init_world, launched_by_torchrun, shutdown_world
 from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
                           PreflightError, TrainingError)
@@ -42,7 +45,7 @@ from train.runlock import hold_run_lock
 from train.state import (DataIdentity, ModelState, OptimizerState, Position, RNGState,
                          RunInfo, SchedulerState)
 from train.report import write_run_report
-from train.tracking import NullTracker, describe, start_tracker
+from train.tracking import NullTracker, describe, parameter_counts, start_tracker
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,7 @@ class Job:
     info: RunInfo  # the MLflow run and config a checkpoint records
     health: HealthMonitor
     checkpointer: Optional[Checkpointer]
+    card: Dict[str, Any]  # what a user of the final model needs to know (model_card)
 
 
 def train_in_world(cfg: DictConfig, world: World, device: torch.device,
@@ -130,7 +134,10 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
                                                     world.rank, world.world_size),
                               cfg.data, pin)
-    info = RunInfo(mlflow_run_id=None, config=training_config(cfg), run_name=cfg.run.name)
+    card = model_card(cfg, train_set.index.classes)
+    # The checkpoint records the card too, for checkpointing.export to pass on.
+    info = RunInfo(mlflow_run_id=None, run_name=cfg.run.name,
+                   config={**training_config(cfg), "model_card": json.dumps(card)})
     health_state = HealthState(cfg.health.median_window)
     components = {"model": ModelState(learner.model, world.control_group),
                   "optim": OptimizerState(learner.model, learner.optimizer),
@@ -145,7 +152,15 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     health = HealthMonitor(cfg.health, health_state, world.rank,
                            Path(cfg.run.root) / cfg.run.name,
                            replicated=cfg.strategy.name == StrategyName.ddp)
-    return Job(plan, learner, loader_at, val_loader, info, health, checkpointer)
+    return Job(plan, learner, loader_at, val_loader, info, health, checkpointer, card)
+
+
+def model_card(cfg: DictConfig, classes: List[str]) -> Dict[str, Any]:
+    """The class of each output, and the input the model expects: RGB at image_size,
+    normalized by mean and std (data/dataset.py)."""
+    return {"model": cfg.model.name, "num_classes": len(classes), "classes": list(classes),
+            "image_size": cfg.data.image_size, "mean": list(IMAGENET_MEAN),
+            "std": list(IMAGENET_STD)}
 
 
 def build_learner(cfg: DictConfig, world: World, device: torch.device, num_classes: int,
@@ -182,6 +197,7 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
     with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id) as run_id:
         # every rank saves the same
         job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
+        tracker.log_params(parameter_counts(job.learner.model))
         goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)
         watchdog = Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0)
         metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,
@@ -193,13 +209,34 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         events.record("end", step=job.plan.total_steps)
         if world.rank == 0:
             write_run_report(run_dir, tracker)
-    weights = (full_state_dict(job.learner.model) if cfg.trainer.save_final_weights
-               else None)  # a collective: every rank
-    if weights is not None and world.rank == 0:
-        save_final_weights(weights, run_dir / "model_final.pt")
-    log.info("done in %.0fs: %s; %s", time.perf_counter() - start,
-             describe(metrics, ["train/loss", "val/loss", "val/top1"]), goodput.summary())
+            tracker.log_files([run_dir / "goodput.json"])
+        weights = (full_state_dict(job.learner.model) if wants_final_weights(cfg)
+                   else None)  # a collective: every rank
+        if weights is not None and world.rank == 0:
+            if cfg.trainer.save_final_weights:
+                save_final_weights(with_model_card(weights, job.card),
+                                   run_dir / "model_final.pt")
+            log_final_model(cfg, weights, job.card, tracker)
+        log.info("done in %.0fs: %s; %s", time.perf_counter() - start,
+                 describe(metrics, ["train/loss", "val/loss", "val/top1"]), goodput.summary())
     return metrics
+
+
+def wants_final_weights(cfg: DictConfig) -> bool:
+    """Whether the final weights are gathered: for model_final.pt, or for MLflow."""
+    return cfg.trainer.save_final_weights or (cfg.logger.name == LoggerName.mlflow
+                                              and cfg.logger.log_model)
+
+
+def log_final_model(cfg: DictConfig, weights: Dict[str, torch.Tensor], card: Dict[str, Any],
+                    tracker: NullTracker) -> None:
+    """The final weights in a plain model on the CPU (no DDP/FSDP wrapper), as an MLflow
+    model whose input example is two normalized images: MLflow exports the model with
+    torch.export, which fixes a batch dimension of 1 for good."""
+    model = build_model(cfg.model, card["num_classes"])
+    model.load_state_dict(weights)
+    size = card["image_size"]
+    tracker.log_model(model.eval(), torch.zeros(2, 3, size, size), card)
 
 
 def save_final_weights(weights: Dict[str, torch.Tensor], path: Path) -> None:

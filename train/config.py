@@ -352,6 +352,12 @@ class LoggerConfig:
     # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd).
     tracking_uri: Optional[str] = None
     experiment_name: str = "goodput-trainer"
+    # CPU, memory, disk, network (and GPU, with nvidia-ml-py) every 10 s (mlflow, psutil)
+    system_metrics: bool = True
+    # The final model as an MLflow model (`model`, ~1 s on a tiny CNN); registered under
+    # this name in MLflow's model registry when one is given
+    log_model: bool = True
+    registered_model_name: Optional[str] = None
 
 
 @dataclass
