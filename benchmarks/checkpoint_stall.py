@@ -59,7 +59,7 @@ MODES = {"b": "off", "c": "thread", "d": "process"}
 LABELS = {"a": "torch.save, full state", "a'": "torch.save + fsync", "b": "DCP synchronous",
           "c": "DCP async, thread", "d": "DCP async, process",
           "e": "limit: copy_ into warm memory", "e'": "copy into fresh memory"}
-TRAIN_STEPS, TRAIN_BATCH = 75, 128  # the default experiment's batch
+TRAIN_BATCH = 128  # the default experiment's
 
 
 def build_state() -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -270,22 +270,23 @@ def measure_ranks(work: Path, repeats: int) -> List[Dict[str, Any]]:
     return results
 
 
-def measure_training(work: Path, intervals: List[int], rounds: int
-                     ) -> Dict[str, Dict[str, float]]:
-    """`python -m train +experiment=resnet` without checkpoints and with them every N steps
-    of `intervals` (thread and process): medians of `rounds` interleaved rounds. A kind
-    whose runs all failed is left out (the failures are printed)."""
+def measure_training(work: Path, steps: int, intervals: List[int], modes: List[str],
+                     rounds: int) -> Dict[str, Dict[str, float]]:
+    """`python -m train +experiment=resnet` for `steps` steps without checkpoints and with
+    them every N steps of `intervals` in each async mode of `modes`: medians of `rounds`
+    interleaved rounds. A kind whose runs all failed is left out (the failures are
+    printed)."""
     data = work / "shapes"
     subprocess.run([sys.executable, "-m", "data.synthetic", "--out", str(data), "--num-train",
-                    str(TRAIN_STEPS * TRAIN_BATCH + 200), "--num-val", "200", "--size", "96"],
+                    str(steps * TRAIN_BATCH + 200), "--num-val", "200", "--size", "96"],
                    check=True, capture_output=True)
     common = ["+experiment=resnet", f"data.root={data}", "logger=none",
-              f"trainer.max_steps={TRAIN_STEPS}",
+              f"trainer.max_steps={steps}",
               # one metrics window over the whole run: its images/s includes every stall
-              f"trainer.log_every_steps={TRAIN_STEPS}", f"run.root={work / 'runs'}"]
+              f"trainer.log_every_steps={steps}", f"run.root={work / 'runs'}"]
     runs = {"no checkpoints": ["run.name=off", "checkpoint.enabled=false"]}
     for interval in intervals:
-        for mode in ("thread", "process"):
+        for mode in modes:
             runs[f"{mode}, every {interval}"] = [
                 f"run.name={mode}{interval}", f"checkpoint.interval_steps={interval}",
                 f"checkpoint.async_mode={mode}"]
@@ -314,7 +315,7 @@ def measure_training(work: Path, intervals: List[int], rounds: int
 
 def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
            ranks: List[Dict[str, Any]], training: Dict[str, Dict[str, float]],
-           state_mb: float, repeats: int, rounds: int) -> None:
+           state_mb: float, repeats: int, steps: int, rounds: int) -> None:
     # The machine may be shared: the load average says how much to trust small differences.
     print(f"\nResNet-50 + AdamW state: {state_mb:.1f} MB; median of {repeats} rounds after a "
           f"warm-up; torch {torch.__version__}, {os.cpu_count()} CPU cores, load average "
@@ -346,7 +347,7 @@ def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
         print(f"  2 ranks / 1 rank = {ranks[1]['save_s'] / ranks[0]['save_s']:.2f}")
     if "no checkpoints" in training:
         off = training["no checkpoints"]
-        print(f"\npython -m train +experiment=resnet (ResNet-18 + AdamW), {TRAIN_STEPS} steps of "
+        print(f"\npython -m train +experiment=resnet (ResNet-18 + AdamW), {steps} steps of "
               f"{TRAIN_BATCH} images at 64 px; median of {rounds} interleaved rounds:")
         for label, r in training.items():
             overhead = ("" if r is off else f"  training overhead "
@@ -367,6 +368,11 @@ def main() -> None:
                         help="checkpoint.interval_steps of the training runs")
     parser.add_argument("--train-rounds", type=int, default=3,
                         help="interleaved rounds of training runs")
+    parser.add_argument("--train-steps", type=int, default=75,
+                        help="trainer.max_steps of the training runs")
+    parser.add_argument("--train-modes", nargs="+", default=["thread", "process"],
+                        choices=["thread", "process"],
+                        help="checkpoint.async_mode of the training runs")
     parser.add_argument("--profile", choices=sorted(MODES.values()),
                         help="only profile saves in this checkpoint.async_mode")
     parser.add_argument("--ranks-worker", type=Path, metavar="DIR", help=argparse.SUPPRESS)
@@ -392,8 +398,10 @@ def main() -> None:
         training: Dict[str, Dict[str, float]] = {}
         if not args.skip_training:
             print("training runs ...", flush=True)
-            training = measure_training(work, args.train_intervals, args.train_rounds)
-        report(stalls, checksums, ranks, training, state_mb, args.repeats, args.train_rounds)
+            training = measure_training(work, args.train_steps, args.train_intervals,
+                                        args.train_modes, args.train_rounds)
+        report(stalls, checksums, ranks, training, state_mb, args.repeats, args.train_steps,
+               args.train_rounds)
         print(f"\n(benchmark took {time.perf_counter() - started:.0f}s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
