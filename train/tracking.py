@@ -86,6 +86,9 @@ class NullTracker:
     def log_artifact(self, path: Path) -> None:
         pass
 
+    def log_files(self, paths: List[Path]) -> None:
+        pass
+
     def log_params(self, params: Dict[str, str]) -> None:
         pass
 
