@@ -33,6 +33,7 @@ import random
 import signal
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -172,8 +173,13 @@ def run_job(work: Path, name: str, data: Path, nproc: int, steps: int, interval:
                  fault=fault, log=work / f"{name}.log", cwd=work / "src")
     kills = (inject_failures(job, run_root, mtbf, random.Random(seed), timeout=1200)
              if not fault else [])
-    if job.wait(timeout=600) != 0:
-        raise SystemExit(f"{name}: the job failed (exit {job.returncode}): see "
+    try:
+        code = job.wait(timeout=120)  # it trained its last step: only the end is left
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        code = job.wait()
+    if code != 0:
+        raise SystemExit(f"{name}: the job failed (exit {code}) after its last step: see "
                          f"{work / name}.log")
     run_dir = run_root / "r"
     if fault:  # the pilot: its one kill is the fault's, at the time its marker holds
