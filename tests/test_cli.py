@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 
 from support.launch import PYTHON, launch, run_train, wait_for
 from support.runs import tiny_overrides
+from checkpointing.export import export, read_model_card
 
 
 def mlflow_runs(db: Path):
@@ -38,9 +41,54 @@ def test_a_tiny_run_trains_logs_to_mlflow_and_saves_weights(tmp_path, tiny_root)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/top1")] == [6, 12]
     assert run.data.params["optim.lr"] == "0.005"
     assert run.data.params["data.num_workers"] == "2"
+    # As typed on the command line: enums by value, nulls and booleans in YAML's spelling
+    assert run.data.params["optim.name"] == "adamw"
+    assert run.data.params["checkpoint.staging_dir"] == "null"
+    assert run.data.params["trainer.save_final_weights"] == "true"
+    assert run.data.metrics["goodput/fraction"] == run.data.metrics["goodput"]
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     config = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)))
     assert "global_batch_size: 20" in config.read_text()
-    assert "goodput.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert {"goodput.png", "goodput.json", "train.log", "config.yaml"} <= set(artifacts)
+    weights = torch.load(tmp_path / "outputs" / name / "model_final.pt", weights_only=True)
+    model = torchvision.models.get_model("resnet18", num_classes=10)
+    model.load_state_dict(weights, strict=True)  # the model card is no key of it
+    assert run.data.params["model.parameters"] == str(sum(p.numel() for p in model.parameters()))
+    assert_the_model_card(weights.model_card)
+    assert_the_mlflow_model_predicts_as(model.eval(), run.info.run_id, db, tmp_path)
+    for out in ("m.pt", "m.safetensors"):  # the export carries the card too
+        export(str(tmp_path / "outputs" / name / "checkpoints"), tmp_path / out)
+        assert read_model_card(tmp_path / out) == weights.model_card
+
+
+def assert_the_model_card(card: dict) -> None:
+    assert card["num_classes"] == 10 and len(card["classes"]) == 10
+    assert card["classes"][:2] == ["arrow", "circle"] and card["image_size"] == 32
+    assert card["mean"] == [0.485, 0.456, 0.406] and card["std"] == [0.229, 0.224, 0.225]
+
+
+def assert_the_mlflow_model_predicts_as(model: torch.nn.Module, run_id: str, db: Path,
+                                        tmp_path: Path) -> None:
+    """mlflow.pytorch.load_model in a fresh process gives the logits of the saved weights,
+    for a batch of another size than the input example's."""
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    torch.save(images, tmp_path / "images.pt")
+    script = ("import sys, mlflow, torch; mlflow.set_tracking_uri(sys.argv[1]); "
+              "m = mlflow.pytorch.load_model(f'runs:/{sys.argv[2]}/model'); "
+              "torch.save(m(torch.load(sys.argv[3])).detach(), sys.argv[4]); "
+              "info = mlflow.models.get_model_info(f'runs:/{sys.argv[2]}/model'); "
+              "print(info.metadata['num_classes'], info.signature.inputs.to_dict())")
+    loaded = subprocess.run([*PYTHON, "-c", script, f"sqlite:///{db}", run_id,
+                             str(tmp_path / "images.pt"), str(tmp_path / "logits.pt")],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    number, inputs = loaded.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert number == "10" and "(-1, 3, 32, 32)" in inputs, loaded.stdout
+    with torch.no_grad():
+        expected = model(images)
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected)
 
 
 def test_a_multirun_sweep_gives_one_mlflow_run_per_job(tmp_path, tiny_root):
@@ -50,10 +98,31 @@ def test_a_multirun_sweep_gives_one_mlflow_run_per_job(tmp_path, tiny_root):
                         f"logger.tracking_uri=sqlite:///{db}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _, runs = mlflow_runs(db)
-    assert sorted(r.data.params["optim.lr"] for r in runs) == ["0.01", "0.02"]
-    names = {r.data.tags["mlflow.runName"] for r in runs}
+    parent, jobs = sweep_runs(runs)
+    assert sorted(r.data.params["optim.lr"] for r in jobs) == ["0.01", "0.02"]
+    names = {r.data.tags["mlflow.runName"] for r in jobs}
     assert len(names) == 2
     assert all((tmp_path / "outputs" / n / "model_final.pt").is_file() for n in names)
+    assert parent.data.tags["sweep.sweeper"].endswith("BasicSweeper")
+
+
+def sweep_runs(runs: list) -> tuple:
+    """(the sweep's parent run, its children by job number), checked: one parent, FINISHED,
+    holding the best objective of its children and which job it was."""
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    parent = parents[0]
+    jobs = sorted((r for r in runs if r is not parent), key=lambda r: int(r.data.tags["sweep.job"]))
+    assert [r.data.tags["sweep.job"] for r in jobs] == [str(i) for i in range(len(jobs))]
+    for job in jobs:
+        assert job.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert job.data.tags["sweep.id"] == parent.data.tags["sweep.id"]
+        assert "optim.lr=" in job.data.tags["sweep.overrides"]
+    assert parent.info.status == "FINISHED"
+    best = max(jobs, key=lambda r: r.data.metrics["val/top1"])
+    assert parent.data.metrics["best/val/top1"] == best.data.metrics["val/top1"]
+    assert parent.data.tags["best.job"] == best.data.tags["sweep.job"]
+    return parent, jobs
 
 
 def train_weights(tmp_path: Path, tiny_root: Path, out: str, *extra: str) -> dict:
