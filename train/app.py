@@ -70,7 +70,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     OmegaConf.resolve(cfg)  # fixes run.name now, while Hydra's runtime is known
     start = job_start()
     device = resolve_device(cfg.trainer.device)
-    seed_everything(cfg.seed, device)
+    seed_everything(cfg.seed, device, cfg.trainer.deterministic)
     with catch_preemption() as preemption:  # from here on a signal stops at a checkpoint
         world = init_world(device, cfg.strategy.timeout_seconds,
                            cfg.strategy.init_timeout_seconds)
@@ -264,15 +264,21 @@ def resolve_device(choice: Device) -> torch.device:
     return torch.device(choice.value)
 
 
-def seed_everything(seed: int, device: torch.device) -> None:
+def seed_everything(seed: int, device: torch.device, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    # Same config + same seed = same bits on CPU. On CUDA speed wins (cuDNN autotuning).
-    if device.type == "cpu":
-        torch.use_deterministic_algorithms(True)
-    else:
+    # On CUDA speed wins (cuDNN autotuning), whatever trainer.deterministic says.
+    if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+        return
+    # On CPU deterministic mode reroutes only a few ops (index_put_/put_ with accumulate,
+    # index_copy_), none of them in a torchvision classifier's step. Its cost was its other
+    # half: filling every new tensor with NaN, a guard against reading uninitialised memory,
+    # which no kernel of ours does (the resume tests compare bits); off, as measured in
+    # docs/benchmarks.md.
+    torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def make_loop_plan(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device) -> LoopPlan:

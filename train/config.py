@@ -184,6 +184,7 @@ DEFAULT_RUN_NAME_EXCLUDES = [
     "trainer.device",
     "trainer.log_every_steps",
     "trainer.save_final_weights",
+    "trainer.deterministic",
     "data.num_workers",
     "data.prefetch_factor",
     "data.cache_dir",
@@ -322,6 +323,10 @@ class TrainerConfig:
     val_every_epochs: int = bounded(1, ge=1)
     log_every_steps: int = bounded(10, ge=1)
     save_final_weights: bool = True
+    # true: same config + seed = same bits on CPU, so a resumed run is bit-identical to an
+    # uninterrupted one (torch refuses ops without a deterministic kernel). false: torch may
+    # pick faster nondeterministic kernels; runs then differ in the last bits.
+    deterministic: bool = True
 
 
 @dataclass
