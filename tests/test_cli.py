@@ -12,15 +12,8 @@ import torchvision
 
 from support.launch import PYTHON, launch, run_train, wait_for
 from support.runs import tiny_overrides
+from support.tracking import mlflow_runs, sweep_runs
 from checkpointing.export import export, read_model_card
-
-
-def mlflow_runs(db: Path):
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
-    experiment = client.get_experiment_by_name("goodput-trainer")
-    return client, client.search_runs([experiment.experiment_id])
 
 
 def test_a_tiny_run_trains_logs_to_mlflow_and_saves_weights(tmp_path, tiny_root):
@@ -104,25 +97,6 @@ def test_a_multirun_sweep_gives_one_mlflow_run_per_job(tmp_path, tiny_root):
     assert len(names) == 2
     assert all((tmp_path / "outputs" / n / "model_final.pt").is_file() for n in names)
     assert parent.data.tags["sweep.sweeper"].endswith("BasicSweeper")
-
-
-def sweep_runs(runs: list) -> tuple:
-    """(the sweep's parent run, its children by job number), checked: one parent, FINISHED,
-    holding the best objective of its children and which job it was."""
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert len(parents) == 1, [r.info.run_name for r in parents]
-    parent = parents[0]
-    jobs = sorted((r for r in runs if r is not parent), key=lambda r: int(r.data.tags["sweep.job"]))
-    assert [r.data.tags["sweep.job"] for r in jobs] == [str(i) for i in range(len(jobs))]
-    for job in jobs:
-        assert job.data.tags["mlflow.parentRunId"] == parent.info.run_id
-        assert job.data.tags["sweep.id"] == parent.data.tags["sweep.id"]
-        assert "optim.lr=" in job.data.tags["sweep.overrides"]
-    assert parent.info.status == "FINISHED"
-    best = max(jobs, key=lambda r: r.data.metrics["val/top1"])
-    assert parent.data.metrics["best/val/top1"] == best.data.metrics["val/top1"]
-    assert parent.data.tags["best.job"] == best.data.tags["sweep.job"]
-    return parent, jobs
 
 
 def train_weights(tmp_path: Path, tiny_root: Path, out: str, *extra: str) -> dict:

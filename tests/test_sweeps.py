@@ -1,5 +1,6 @@
 """Sweeps for real: an Optuna search (hparams_search/optuna.yaml) and parallel jobs under the
-joblib launcher, each two tiny runs in a subprocess."""
+joblib launcher, each two tiny runs in a subprocess, each one MLflow parent run with a child
+run per job."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from support.launch import run_train
 from support.runs import tiny_overrides
+from support.tracking import mlflow_runs, sweep_runs
 
 pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[sweep]'")
 optuna = pytest.importorskip("optuna", reason="pip install '.[sweep]'")
@@ -31,7 +33,8 @@ def goodput_files(run_root: Path) -> List[dict]:
 def test_an_optuna_sweep_keeps_its_study_and_counts_each_job_from_its_start(tiny_root,
                                                                             tmp_path):
     result = run_train([*sweep_args(tiny_root, tmp_path, "+hparams_search=optuna",
-                                    "hydra.sweeper.n_trials=2", "logger=none")],
+                                    "hydra.sweeper.n_trials=2",
+                                    f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db")],
                        cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     study = optuna.load_study(study_name="adamw_lr_wd",
@@ -44,6 +47,11 @@ def test_an_optuna_sweep_keeps_its_study_and_counts_each_job_from_its_start(tiny
         assert f"optim.lr={trial.params['optim.lr']}" in trial.user_attrs["overrides"]
     best = (tmp_path / "optimization_results.yaml").read_text()
     assert f"best_value: {study.best_value}" in best
+    parent, jobs = sweep_runs(mlflow_runs(tmp_path / "mlflow.db")[1])  # MLflow agrees
+    assert parent.data.metrics["best/val/top1"] == study.best_value
+    assert parent.data.tags["sweep.sweeper"].endswith("OptunaSweeper")
+    assert [float(j.data.params["optim.lr"]) for j in jobs] == [
+        t.params["optim.lr"] for t in study.trials]
     first, second = goodput_files(tmp_path)
     # The jobs ran one after the other in one process: the second job's books hold no more
     # than the time since the first one ended (before the fix: the first job's time too).
@@ -60,9 +68,7 @@ def test_parallel_jobs_with_data_workers_share_a_new_mlflow_store(tiny_root, tmp
                        cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Joblib.Parallel(n_jobs=2" in result.stdout + result.stderr
-    import mlflow
-
-    runs = mlflow.MlflowClient(store).search_runs(
-        [mlflow.MlflowClient(store).get_experiment_by_name("goodput-trainer").experiment_id])
-    assert sorted(r.data.params["optim.lr"] for r in runs) == ["0.001", "0.002"]
-    assert all(r.info.status == "FINISHED" and "val/top1" in r.data.metrics for r in runs)
+    parent, jobs = sweep_runs(mlflow_runs(tmp_path / "mlflow.db")[1])
+    assert [r.data.params["optim.lr"] for r in jobs] == ["0.001", "0.002"]
+    assert all(r.info.status == "FINISHED" and "val/top1" in r.data.metrics for r in jobs)
+    assert parent.data.tags["sweep.launcher"].endswith("JoblibLauncher")
