@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from train import tracking
 from train.config import LoggerConfig
 from train.distributed import World
 from train.errors import ConfigError
+from train.sweep_tracking import (PARENT_ENV, SweepJob, SweepRun, current_sweep_job,
+                                  open_experiment, record_best)
 from train.tracking import MLflowTracker, NullTracker, start_tracker
 
 
@@ -164,3 +167,38 @@ def test_a_preempted_run_ends_killed_not_failed(store_uri: str, raised, status) 
             if error:
                 raise error
     assert MlflowClient(tracking_uri=store_uri).get_run(run_id).info.status == status
+
+
+def test_a_sweep_parent_records_the_best_job_in_the_objective_s_direction(store_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store_uri)
+    experiment_id = open_experiment(client, "sweep-test")
+    assert client.get_experiment(experiment_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
+    parent = client.create_run(experiment_id, run_name="sweep").info.run_id
+    for number, loss in enumerate([0.5, 0.2, 0.2, 0.9]):  # job 1 and 2 tie: the first wins
+        child = client.create_run(experiment_id, tags=SweepJob(parent, number, []).tags())
+        client.log_metric(child.info.run_id, "val/loss", loss, step=3)
+    record_best(client, parent, "val/loss", "minimize")
+    run = client.get_run(parent)
+    assert run.data.metrics["best/val/loss"] == 0.2 and run.data.tags["best.job"] == "1"
+    record_best(client, parent, "val/loss", "maximize")
+    assert client.get_run(parent).data.tags["best.job"] == "3"
+    # A job that compared fewer runs writes a smaller step: it never hides the newer value.
+    client.log_metric(parent, "best/val/loss", 0.5, step=2)
+    assert client.get_run(parent).data.metrics["best/val/loss"] == 0.9
+
+
+def test_a_sweep_whose_store_cannot_be_used_warns_and_its_jobs_log_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    (tmp_path / "a_file").write_text("not a folder")
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+    config = OmegaConf.create({"logger": {"name": "mlflow", "experiment_name": "e",
+                                          "tracking_uri": f"sqlite:///{tmp_path}/a_file/m.db"},
+                               "sweep": {"objective": "val/top1", "direction": "maximize"}})
+    SweepRun().on_multirun_start(config)
+    assert PARENT_ENV not in os.environ
+    assert any("no parent run for this sweep" in r.getMessage() for r in caplog.records)
+    SweepRun().on_multirun_end(config)  # nothing to end, nothing raised
+    assert current_sweep_job() is None  # and outside a Hydra multirun there is none anyway

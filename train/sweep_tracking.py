@@ -45,6 +45,9 @@ PARENT_ENV = "GOODPUT_SWEEP_PARENT_RUN_ID"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_DEVELOPMENT = "custom_model_development"
 PARENT_TAG = "mlflow.parentRunId"
+# A store that does not answer in a few seconds is a configuration problem (the start check
+# of a run, the creation of a sweep's parent), not a reason to wait out MLflow's retries.
+CHECK_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 
 
 @dataclass
@@ -79,7 +82,8 @@ class SweepRun(Callback):
         if value_of(OmegaConf.select(config, "logger.name")) != "mlflow":
             return
         try:
-            os.environ[PARENT_ENV] = create_parent_run(config)
+            with environment(CHECK_HTTP_SETTINGS):
+                os.environ[PARENT_ENV] = create_parent_run(config)
         except Exception as err:  # the sweep must not fail for its tracking
             log.warning("MLflow: no parent run for this sweep (%s): each job logs a run of "
                         "its own", one_line(err))
@@ -150,6 +154,21 @@ def mlflow_client(tracking_uri: Optional[str]) -> Any:
     import mlflow  # slow to import: only when MLflow is used
 
     return mlflow.MlflowClient(tracking_uri=tracking_uri or mlflow.get_tracking_uri())
+
+
+@contextmanager
+def environment(settings: Dict[str, str]) -> Iterator[None]:
+    """`settings` in os.environ for the block, whatever it held; restored after."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextmanager

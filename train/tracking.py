@@ -20,16 +20,15 @@ from train.config import LoggerConfig, LoggerName
 from train.distributed import World
 from train.errors import ConfigError
 from train.preemption import Preempted
-from train.sweep_tracking import (EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT, current_sweep_job,
-                                  one_line, record_best, sqlite_creation_lock, value_of)
+from train.sweep_tracking import (CHECK_HTTP_SETTINGS, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT,
+                                  current_sweep_job, environment, one_line, record_best,
+                                  sqlite_creation_lock, value_of)
 
 log = logging.getLogger(__name__)
 MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params
 MAX_METRICS_PER_CALL = 1000  # and for metrics
 MAX_PENDING_METRICS = 100_000  # held while the store is down: ~20 MB
 RETRY_SECONDS = 30  # between attempts to reach a failed store (each may block a step)
-# The start check: a store that does not answer in a few seconds is a configuration problem.
-CHECK_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 RUN_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
 GOODPUT_IN_GROUP = "goodput/fraction"  # `goodput` again, drawn among the goodput/* charts
 
@@ -123,27 +122,20 @@ class MLflowTracker:
     def check(self) -> Optional[str]:
         """None when the store answers and takes a write (a tag on the experiment), else one
         line saying why not; bounded by CHECK_HTTP_SETTINGS, whatever the environment says."""
-        saved = {name: os.environ.get(name) for name in CHECK_HTTP_SETTINGS}
-        os.environ.update(CHECK_HTTP_SETTINGS)
         try:
-            with sqlite_creation_lock(self.mlflow.get_tracking_uri()):
-                experiment = self.mlflow.set_experiment(self.experiment_name)
-            client = self.mlflow.tracking.MlflowClient()
-            client.set_experiment_tag(experiment.experiment_id, "goodput.last_start",
-                                      time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG,
-                                      MODEL_DEVELOPMENT)
+            with environment(CHECK_HTTP_SETTINGS):
+                with sqlite_creation_lock(self.mlflow.get_tracking_uri()):
+                    experiment = self.mlflow.set_experiment(self.experiment_name)
+                client = self.mlflow.tracking.MlflowClient()
+                client.set_experiment_tag(experiment.experiment_id, "goodput.last_start",
+                                          time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG,
+                                          MODEL_DEVELOPMENT)
             return None
         except Exception as err:  # any failure to reach or write the store means the same
             return (f"the MLflow tracking store {self.uri} cannot be used ({one_line(err)}): "
                     f"start it or make it writable, fix logger.tracking_uri, or train "
                     f"without tracking (logger=none)")
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
     @contextmanager
     def run(self, run_name: str, config: DictConfig,
