@@ -101,6 +101,15 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def timed_with_cpu(fn: Callable[[], Any]) -> Dict[str, float]:
+    """Wall seconds ("blocked") and this process's CPU seconds, all threads ("cpu"): on a
+    shared machine the CPU time says what the work costs, the wall time also how long the
+    scheduler made it wait."""
+    cpu = time.process_time()
+    blocked = timed(fn)
+    return {"blocked": blocked, "cpu": time.process_time() - cpu}
+
+
 def checksum_functions() -> Dict[str, Callable[[List[memoryview]], Any]]:
     """Each algorithm over a list of buffers, as the writer would feed it. google-crc32c
     only takes `bytes`, so each memoryview costs it a copy (measured: it is what the writer
@@ -177,20 +186,20 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
     for round_ in range(repeats + 1):  # round 0 warms up (process start, page cache)
         full = work / "torch_save.pt"
         plain = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        results = {"a": {"blocked": timed(lambda: torch_save(plain, full, durable=False))},
-                   "a'": {"blocked": timed(lambda: torch_save(plain, full, durable=True))},
-                   "e": {"blocked": timed(lambda: copy_into(buffers, tensors))},
-                   "e'": {"blocked": timed(lambda: [t.clone() for t in tensors])}}
+        results = {"a": timed_with_cpu(lambda: torch_save(plain, full, durable=False)),
+                   "a'": timed_with_cpu(lambda: torch_save(plain, full, durable=True)),
+                   "e": timed_with_cpu(lambda: copy_into(buffers, tensors)),
+                   "e'": timed_with_cpu(lambda: [t.clone() for t in tensors])}
         for key, manager in managers.items():
             step += 3
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             reported = manager.save(step, state)
             blocked = time.perf_counter() - start
             if not manager.wait():
                 raise RuntimeError(f"the {MODES[key]} save failed: see the log above")
-            total = time.perf_counter() - start
+            total, cpu = time.perf_counter() - start, time.process_time() - cpu
             again, again_reported = save_back_to_back(manager, step + 1, state)
-            results[key] = {"blocked": blocked, "total": total, "stall": reported,
+            results[key] = {"blocked": blocked, "total": total, "cpu": cpu, "stall": reported,
                             "back_to_back": again, "back_to_back_stall": again_reported}
         full.unlink()
         if round_:
@@ -320,22 +329,25 @@ def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
     print(f"\nResNet-50 + AdamW state: {state_mb:.1f} MB; median of {repeats} rounds after a "
           f"warm-up; torch {torch.__version__}, {os.cpu_count()} CPU cores, load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'':36} {'blocked (s)':>11} {'committed (s)':>13} {'back to back (s)':>16} "
-          f"{'stall (s)':>9}")
+    print(f"{'':36} {'blocked (s)':>11} {'committed (s)':>13} {'CPU (s)':>7} "
+          f"{'back to back (s)':>16} {'stall (s)':>9}")
     for key, label in LABELS.items():
         row = stalls[key]
         cells = ([f"{row['total']:.3f}", f"{row['back_to_back']:.3f}",
                   f"{row['back_to_back_stall']:.3f}"] if key in MODES else ["", "", ""])
         print(f"{'(' + key + ')':5} {label:30} {row['blocked']:11.3f} {cells[0]:>13} "
-              f"{cells[1]:>16} {cells[2]:>9}")
+              f"{row['cpu']:7.3f} {cells[1]:>16} {cells[2]:>9}")
     blocked = {k: v["blocked"] for k, v in stalls.items()}
     print("ratios (blocked): " + "  ".join(
         f"({x})/({y}) = {blocked[x] / blocked[y]:.3f}"
         for x, y in [("c", "e"), ("d", "e"), ("c", "b"), ("d", "b"), ("c", "a'"),
                      ("d", "a'"), ("e'", "e")]))
-    durable = blocked["a'"]
+    durable, durable_cpu = blocked["a'"], stalls["a'"]["cpu"]
     print("ratios (until committed / torch.save + fsync): " + "  ".join(
-        f"({x}) = {stalls[x]['total'] / durable:.2f}" for x in MODES))
+        f"({x}) = {stalls[x]['total'] / durable:.2f}" for x in MODES)
+        + ";  CPU seconds: " + "  ".join(
+        f"({x}) = {stalls[x]['cpu'] / durable_cpu:.2f}" for x in MODES)
+        + "  (the CPU of DCP's process is not counted in (d))")
     print("\nchecksums over the state's bytes, GB/s (median of interleaved rounds): "
           + "  ".join(f"{name} {rate:.2f} ({rate / checksums['sha256']:.1f}x sha256)"
                       for name, rate in checksums.items()))
