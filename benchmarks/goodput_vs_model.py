@@ -277,9 +277,33 @@ def draw(rows: Sequence[Measured], restart: float, pick: int, out: Path) -> None
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
+    print(f"picture: {out}")
 
 
 # --- the benchmark ----------------------------------------------------------------------
+
+def report(rows: Sequence[Measured], restart: float, pick: int,
+           opts: argparse.Namespace) -> None:
+    print(f"\n{opts.nproc} rank(s), tiny_cnn, {rows[0].steps} steps a job, failures every "
+          f"{opts.mtbf:g}s on average (seed {opts.seed}); * = the planner's pick")
+    print(table(rows, restart, pick))
+    best = max(rows, key=lambda r: r.goodput)
+    chosen = next(r for r in rows if r.interval == pick)
+    print(f"planner's pick {pick} steps: measured {chosen.goodput:.1%}, best measured "
+          f"{best.goodput:.1%} ({best.interval} steps)")
+
+
+def measured_again(work: Path, mtbf: float) -> tuple:
+    """(pilot, jobs) of a kept work directory, measured from its files again."""
+    def of(run_root: Path, steps: int, interval: int) -> Measured:
+        kills = json.loads((run_root / "kills.json").read_text())
+        return measure(run_root / "r", kills, steps, interval)
+    pilot = of(work / "pilot", 150, 10)
+    jobs = sorted((p for p in work.glob("every*") if p.is_dir()),
+                  key=lambda p: int(p.name[5:]))
+    return pilot, [of(p, json.loads((p / "r" / "goodput.json").read_text())["reached"],
+                      int(p.name[5:])) for p in jobs]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -293,9 +317,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "goodput_vs_model.png")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--again", type=Path, metavar="WORK_DIR", help="no jobs: the table "
+                        "and picture again from a work directory this script left")
     opts = parser.parse_args()
     if opts.quick:
         opts.work, opts.mtbf = 30.0, 15.0
+    if opts.again:
+        pilot, rows = measured_again(opts.again, opts.mtbf)
+        restart = pilot.restart or pilot.startup
+        pick = max(1, round(plan.exact_optimum(pilot.stall, opts.mtbf) / pilot.step))
+        report(rows, restart, pick, opts)
+        draw(rows, restart, pick, opts.out)
+        return
 
     work = Path(tempfile.mkdtemp(prefix="goodput-model-"))
     data = synthetic.generate(work / "data", IMAGES, 40, 32, seed=0, workers=1)
@@ -315,16 +348,8 @@ def main() -> None:
                             opts.mtbf, opts.seed))
         print(f"  {interval} steps: {rows[-1].kills} kills, measured {rows[-1].goodput:.1%}",
               flush=True)
-    print(f"\n{opts.nproc} rank(s), tiny_cnn, {steps} steps a job, failures every "
-          f"{opts.mtbf:g}s on average (seed {opts.seed}); * = the planner's pick")
-    print(table(rows, restart, pick))
-    best = max(rows, key=lambda r: r.goodput)
-    chosen = next(r for r in rows if r.interval == pick)
-    print(f"planner's pick {pick} steps: measured {chosen.goodput:.1%}, best measured "
-          f"{best.goodput:.1%} ({best.interval} steps)")
-    out = work / "goodput_vs_model.png" if opts.quick else opts.out
-    draw(rows, restart, pick, out)
-    print(f"picture: {out}")
+    report(rows, restart, pick, opts)
+    draw(rows, restart, pick, work / "goodput_vs_model.png" if opts.quick else opts.out)
     if not opts.keep:
         shutil.rmtree(work / "data")
         for interval in intervals:
