@@ -32,7 +32,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
@@ -136,11 +136,11 @@ def step_items(rounds: int) -> None:
     optimizer = build_optimizer(cfg.optim, model)
     cores = torch.get_num_threads()
 
-    def step(item: str) -> float:
+    def step(item: str) -> Tuple[float, float]:
         torch.use_deterministic_algorithms(item.startswith("deterministic"))
         torch.utils.deterministic.fill_uninitialized_memory = "NaN" in item
         torch.set_num_threads(1 if item == "1 intra-op thread" else cores)
-        began = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         if item == "clip_grad_norm_(inf)":
@@ -150,24 +150,29 @@ def step_items(rounds: int) -> None:
             float(loss.detach()), float(norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - began
+        return time.perf_counter() - wall, time.process_time() - cpu
 
     items = ["bare step", "deterministic, NaN fill (torch's default)",
              "deterministic, no fill (ours)", "clip_grad_norm_(inf)", "norm + host reads",
              "1 intra-op thread"]
-    seconds: Dict[str, List[float]] = {item: [] for item in items}
+    seconds: Dict[str, List[Tuple[float, float]]] = {item: [] for item in items}
     for item in items:  # warm-up
         step(item)
     for r in range(rounds):
         for item in (items if r % 2 == 0 else list(reversed(items))):
             seconds[item].append(step(item))
-    base = statistics.median(seconds["bare step"])
     print(f"\ncompute-only step, batch {batch} at {size} px, {rounds} interleaved steps each, "
-          f"{cores} intra-op threads unless said:")
+          f"{cores} intra-op threads unless said; wall and process CPU time, ratios to the "
+          f"bare step of the same round (median over rounds):")
     for item in items:
-        median = statistics.median(seconds[item])
-        print(f"{item:42s} median {median * 1000:7.1f} ms  {batch / median:6.1f} img/s  "
-              f"time / bare {median / base:.3f}")
+        wall = statistics.median(w for w, _ in seconds[item])
+        cpu = statistics.median(c for _, c in seconds[item])
+        wall_ratio = statistics.median(w / b for (w, _), (b, _)
+                                       in zip(seconds[item], seconds["bare step"]))
+        cpu_ratio = statistics.median(c / b for (_, c), (_, b)
+                                      in zip(seconds[item], seconds["bare step"]))
+        print(f"{item:42s} wall {wall * 1000:7.1f} ms ({batch / wall:5.1f} img/s, "
+              f"x{wall_ratio:.3f})  CPU {cpu * 1000:7.1f} ms (x{cpu_ratio:.3f})")
 
 
 def main() -> None:
