@@ -88,7 +88,8 @@ def test_a_multirun_sweep_gives_one_mlflow_run_per_job(tmp_path, tiny_root):
     db = tmp_path / "mlflow.db"
     result = run_train(["-m", "+experiment=resnet", *tiny_overrides(tiny_root),
                         "trainer.max_steps=2", "optim.lr=0.01,0.02",
-                        f"logger.tracking_uri=sqlite:///{db}"], cwd=tmp_path)
+                        f"logger.tracking_uri=sqlite:///{db}", "logger.log_model=false"],
+                       cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _, runs = mlflow_runs(db)
     parent, jobs = sweep_runs(runs)
@@ -137,7 +138,8 @@ def test_user_errors_are_one_line_without_a_traceback(tmp_path, tiny_root, overr
 def test_a_resumed_run_keeps_logging_into_the_same_mlflow_run(tmp_path, tiny_root):
     db = tmp_path / "mlflow.db"
     args = ["+experiment=resnet", *tiny_overrides(tiny_root), "run.name=r",
-            "checkpoint.interval_steps=3", f"logger.tracking_uri=sqlite:///{db}"]
+            "checkpoint.interval_steps=3", f"logger.tracking_uri=sqlite:///{db}",
+            "logger.log_model=false"]
     for max_steps in (3, 8):
         result = run_train([*args, f"trainer.max_steps={max_steps}"], cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]

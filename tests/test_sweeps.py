@@ -21,7 +21,8 @@ optuna = pytest.importorskip("optuna", reason="pip install '.[sweep]'")
 def sweep_args(tiny_root: Path, run_root: Path, *extra: str) -> List[str]:
     """A sweep of tiny one-epoch runs of the experiment's model family, on the CPU."""
     return ["-m", "+experiment=resnet", *tiny_overrides(tiny_root), "trainer.max_epochs=1",
-            "model=tiny_cnn", "trainer.device=cpu", f"run.root={run_root}", *extra]
+            "model=tiny_cnn", "trainer.device=cpu", f"run.root={run_root}",
+            "logger.log_model=false", *extra]
 
 
 def goodput_files(run_root: Path) -> List[dict]:

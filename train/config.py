@@ -359,8 +359,8 @@ class LoggerConfig:
     experiment_name: str = "goodput-trainer"
     # CPU, memory, disk, network (and GPU, with nvidia-ml-py) every 10 s (mlflow, psutil)
     system_metrics: bool = True
-    # The final model as an MLflow model (`model`, ~1 s on a tiny CNN); registered under
-    # this name in MLflow's model registry when one is given
+    # The final model as an MLflow model (`model`; seconds, most of it importing
+    # torch.export); registered under this name in MLflow's model registry when one is given
     log_model: bool = True
     registered_model_name: Optional[str] = None
 

@@ -279,7 +279,7 @@ class MLflowTracker:
                 model, name="model", signature=infer_signature(example.numpy(), output.numpy()),
                 input_example=example.numpy(), metadata=metadata,
                 # Given, not inferred: MLflow's inference re-imports the model in a
-                # subprocess (17 s for a tiny CNN, against 1.2 s in all with this list).
+                # subprocess (19x slower on the tiny CNN: benchmarks/mlflow_tracking.py).
                 pip_requirements=model_requirements(),
                 registered_model_name=self.cfg.registered_model_name)
         except Exception as err:
