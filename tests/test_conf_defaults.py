@@ -27,7 +27,9 @@ def leaves(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
 
 
 def yaml_files() -> List[Path]:
-    return sorted(CONF.rglob("*.yaml"))
+    """Our config files; conf/hydra/ holds Hydra's own groups (launchers, sweepers), which
+    merge under `hydra.`, onto no dataclass of ours."""
+    return sorted(p for p in CONF.rglob("*.yaml") if p.relative_to(CONF).parts[0] != "hydra")
 
 
 def schema_keys(path: Path) -> Iterator[Tuple[str, Any]]:
