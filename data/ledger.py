@@ -35,13 +35,16 @@ class LedgerWriter:
             # (racing ranks may add a blank line or two; readers skip them).
             os.write(self._fd, b"\n")
 
-    def record(self, step: int, epoch: int, samples: Iterable[int],
-               loss: Optional[float]) -> None:
-        """One line; `loss` None marks a step whose global batch was skipped."""
-        entry = {"step": step, "rank": self.rank, "epoch": epoch,
+    def record(self, step: int, epoch: int, samples: Iterable[int], loss: Optional[float],
+               rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        """One line; `loss` None marks a step whose global batch was skipped. `rank` and
+        `world_size` override the writer's for a step whose width was chosen step by step
+        (strategy=ddp_ft: this trainer's place among the step's participants)."""
+        entry = {"step": step, "rank": self.rank if rank is None else rank, "epoch": epoch,
                  "samples": [int(i) for i in samples],
                  "loss": None if loss is None else float(loss).hex(),
-                 "world": self.world_size, "time": round(time.time(), 3)}
+                 "world": self.world_size if world_size is None else world_size,
+                 "time": round(time.time(), 3)}
         if loss is None:
             entry["skipped"] = True
         line = json.dumps(entry, separators=(",", ":")) + "\n"

@@ -87,3 +87,34 @@ class GlobalBatchSampler(torch.utils.data.Sampler[List[Key]]):
                     micro = local[m * plan.micro_batch_size:(m + 1) * plan.micro_batch_size]
                     yield [(epoch, i) for i in micro]
             epoch, step = epoch + 1, 0
+
+
+def split_bounds(global_batch_size: int, part: int, parts: int) -> Tuple[int, int]:
+    """Where `part` of `parts` cuts the global batch: contiguous, sizes differing by at most
+    one, so any number of parts covers it exactly once."""
+    return (part * global_batch_size // parts, (part + 1) * global_batch_size // parts)
+
+
+class SplitBatchSampler(torch.utils.data.Sampler[List[Key]]):
+    """Yields `part`'s share of every global batch, one batch per step, from (start_epoch,
+    start_step) on, for a width that may change between steps (strategy=ddp_ft, whose
+    participants are only known step by step): the global batches are `GlobalBatchSampler`'s,
+    the split is `split_bounds`."""
+
+    def __init__(self, plan: BatchPlan, seed: int, part: int, parts: int, start_epoch: int = 0,
+                 start_step: int = 0) -> None:
+        if not 0 <= part < parts:
+            raise ValueError(f"part {part} outside {parts} parts")
+        self.plan, self.seed, self.part, self.parts = plan, seed, part, parts
+        self.start_epoch, self.start_step = start_epoch, start_step
+
+    def __iter__(self) -> Iterator[List[Key]]:
+        plan, (lo, hi) = self.plan, split_bounds(self.plan.global_batch_size, self.part,
+                                                 self.parts)
+        epoch, step = self.start_epoch, self.start_step
+        while True:
+            perm = epoch_permutation(self.seed, epoch, plan.dataset_size).tolist()
+            for s in range(step, plan.steps_per_epoch):
+                first = s * plan.global_batch_size
+                yield [(epoch, i) for i in perm[first + lo:first + hi]]
+            epoch, step = epoch + 1, 0

@@ -24,7 +24,7 @@ from data.redact import strip_credentials
 from data.loader import eval_batches
 from data.dataset import IMAGENET_MEAN, IMAGENET_STD
 from data.pipeline import build_datasets, build_loader
-from data.sampler import BatchPlan, GlobalBatchSampler
+from data.sampler import BatchPlan, GlobalBatchSampler, SplitBatchSampler
 from train import events, job_start
 from train.checkpoint import Checkpointer, build_manager, training_config
 from train.config import Device, LoggerName, Precision, StrategyName
@@ -32,6 +32,7 @@ from train.distributed import World, init_world, launched_by_torchrun, shutdown_
 from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
                           PreflightError, TrainingError)
 from train.faults import FaultHook, Faults
+from train.ft import NO_REPLICAS, FaultTolerantReplicas, Replicas, check_plan, replica_dir
 from train.goodput import Goodput
 from train.health import HealthMonitor, HealthState, Watchdog
 from train.launch import use_node_local_dirs
@@ -68,6 +69,8 @@ def run(cfg: DictConfig) -> Dict[str, float]:
 
 def train(cfg: DictConfig) -> Dict[str, float]:
     OmegaConf.resolve(cfg)  # fixes run.name now, while Hydra's runtime is known
+    if cfg.strategy.name == StrategyName.ddp_ft:
+        give_replica_group_its_checkpoints(cfg)
     start = job_start()
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device, cfg.trainer.deterministic)
@@ -75,11 +78,30 @@ def train(cfg: DictConfig) -> Dict[str, float]:
         world = init_world(device, cfg.strategy.timeout_seconds,
                            cfg.strategy.init_timeout_seconds)
         try:
-            with hold_run_lock(Path(cfg.run.root) / cfg.run.name, cfg.run.name, world):
+            with hold_run_lock(run_dir_of(cfg), cfg.run.name, world):
                 use_node_local_dirs(cfg, world.node_rank if launched_by_torchrun() else None)
                 return train_in_world(cfg, world, device, start, preemption)
         finally:
             shutdown_world()
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """Where this process keeps the run's lock, timeline, goodput and health files: the run's
+    directory, or under ddp_ft its replica group's own directory inside it."""
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    if cfg.strategy.name == StrategyName.ddp_ft:
+        return replica_dir(run_dir, cfg.strategy.fault_tolerance)
+    return run_dir
+
+
+def give_replica_group_its_checkpoints(cfg: DictConfig) -> None:
+    """ddp_ft: every replica group checkpoints on its own, under `replica_<id>/` of
+    checkpoint.dir (and of the staging dir): groups never share a directory, so no group's
+    retention can take another's save in flight for a dead trainer's leftovers."""
+    ft = cfg.strategy.fault_tolerance
+    cfg.checkpoint.dir = f"{str(cfg.checkpoint.dir).rstrip('/')}/replica_{ft.replica_id}"
+    if cfg.checkpoint.staging_dir:
+        cfg.checkpoint.staging_dir = str(replica_dir(Path(cfg.checkpoint.staging_dir), ft))
 
 
 @dataclass
@@ -94,12 +116,13 @@ class Job:
     health: HealthMonitor
     checkpointer: Optional[Checkpointer]
     card: Dict[str, Any]  # what a user of the final model needs to know (model_card)
+    replicas: Replicas = NO_REPLICAS  # ddp_ft: the replica groups this one trains with
 
 
 def train_in_world(cfg: DictConfig, world: World, device: torch.device,
                    start: float, preemption: PreemptionFlag) -> Dict[str, float]:
     """Build -> resume -> train to the end."""
-    run_dir = Path(cfg.run.root) / cfg.run.name
+    run_dir = run_dir_of(cfg)
     log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
              world.world_size)
     events.open_timeline(run_dir, world.rank, world.world_size, events.wall_clock(start),
@@ -116,8 +139,12 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
 def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook) -> Job:
     """Data, model, optimizer, and what checkpoints them."""
     train_set, val_set = build_datasets(cfg.data, cfg.seed)
-    batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size, world.world_size,
-                           cfg.trainer.grad_accum_steps)
+    in_band = cfg.strategy.name == StrategyName.ddp_ft
+    if in_band:
+        check_plan(cfg.trainer.grad_accum_steps)
+    # ddp_ft splits each global batch among the step's participants, whatever their number
+    batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size,
+                           1 if in_band else world.world_size, cfg.trainer.grad_accum_steps)
     plan = make_loop_plan(cfg, batch_plan, device)
     log.info("%d train / %d val images, %d classes; %d steps of %d (%d per epoch, %d samples "
              "dropped per epoch)", len(train_set), len(val_set), train_set.num_classes,
@@ -127,8 +154,11 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     pin = device.type == "cuda"
 
     def loader_at(position: Position) -> torch.utils.data.DataLoader:
-        sampler = GlobalBatchSampler(batch_plan, cfg.seed, world.rank, position.epoch,
-                                     position.step_in_epoch)
+        split = replicas.split()
+        sampler = (SplitBatchSampler(batch_plan, cfg.seed, *split, position.epoch,
+                                     position.step_in_epoch) if split else
+                   GlobalBatchSampler(batch_plan, cfg.seed, world.rank, position.epoch,
+                                      position.step_in_epoch))
         return build_loader(train_set, sampler, cfg.data, pin)
 
     val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
@@ -149,10 +179,14 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
         cfg, manager, components, DataIdentity(cfg.seed, len(train_set),
                                                cfg.data.global_batch_size),
         world.world_size, faults)
-    health = HealthMonitor(cfg.health, health_state, world.rank,
-                           Path(cfg.run.root) / cfg.run.name,
-                           replicated=cfg.strategy.name == StrategyName.ddp)
-    return Job(plan, learner, loader_at, val_loader, info, health, checkpointer, card)
+    health = HealthMonitor(cfg.health, health_state, world.rank, run_dir_of(cfg),
+                           replicated=cfg.strategy.name in (StrategyName.ddp,
+                                                            StrategyName.ddp_ft))
+    replicas = (FaultTolerantReplicas(cfg.strategy.fault_tolerance, world, device,
+                                      learner.model, learner.optimizer, learner.scheduler,
+                                      health_state, faults) if in_band else NO_REPLICAS)
+    return Job(plan, learner, loader_at, val_loader, info, health, checkpointer, card,
+               replicas)
 
 
 def model_card(cfg: DictConfig, classes: List[str]) -> Dict[str, Any]:
@@ -183,6 +217,7 @@ def resume(cfg: DictConfig, job: Job, world: World) -> Position:
     restored = job.checkpointer.restore() if job.checkpointer else None
     position = restored.position if restored else Position()
     job.health.load_skips(lambda skipped: broadcast_object(skipped, world.control_group))
+    position = job.replicas.join(position)  # ddp_ft: a healthy peer ahead is copied
     if position.step >= job.plan.total_steps:
         log.info("run %s is already complete at step %d: nothing to train (raise "
                  "trainer.max_epochs or trainer.max_steps to go on)", cfg.run.name,
@@ -193,7 +228,7 @@ def resume(cfg: DictConfig, job: Job, world: World) -> Position:
 def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tracker: NullTracker,
         preemption: PreemptionFlag, faults: FaultHook, start: float) -> Dict[str, float]:
     """Train to the end under the MLflow run, then save the final weights."""
-    run_dir = Path(cfg.run.root) / cfg.run.name
+    run_dir = run_dir_of(cfg)
     with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id) as run_id:
         # every rank saves the same
         job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
@@ -202,9 +237,10 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         watchdog = Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0)
         metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,
                       job.health, watchdog, preemption, job.checkpointer, goodput, tracker,
-                      faults)
+                      faults, job.replicas)
         if job.checkpointer:
             job.checkpointer.close()
+        job.replicas.close()
         goodput.save(ended=True)
         events.record("end", step=job.plan.total_steps)
         if world.rank == 0:

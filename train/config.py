@@ -68,6 +68,9 @@ class StrategyName(str, Enum):
     single = "single"  # one process
     ddp = "ddp"  # DistributedDataParallel: replicated parameters, averaged gradients
     fsdp = "fsdp"  # FSDP2 fully_shard: parameters, gradients and optimizer state sharded
+    # In-band recovery on torchft: each data-parallel replica group is its own torchrun job
+    # under a lighthouse; a failed group drops out of the step and rejoins live (train/ft.py)
+    ddp_ft = "ddp_ft"
 
 
 class LoggerName(str, Enum):
@@ -272,6 +275,25 @@ class DataConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """strategy=ddp_ft: this replica group's place under the torchft lighthouse."""
+
+    # The lighthouse every replica group reports to (torchft_lighthouse --bind ...)
+    lighthouse: str = "http://127.0.0.1:29510"
+    # This group's id, 0..replica_groups-1: names its run and checkpoint subdirectories
+    replica_id: int = bounded(0, ge=0)
+    # The width the job is meant to run at: fewer participants count as degraded time
+    replica_groups: int = bounded(2, ge=1)
+    # Below this many participating groups a step does not commit (it waits and is redone)
+    min_replicas: int = bounded(1, ge=1)
+    # A quorum (and a first join, while peers start) gives up after this long
+    quorum_timeout_seconds: float = bounded(60.0, gt=0)
+    # Cross-group collectives and the copy of a healthy peer's state when rejoining
+    timeout_seconds: float = bounded(30.0, gt=0)
+    connect_timeout_seconds: float = bounded(10.0, gt=0)  # to the lighthouse and the peers
+
+
+@dataclass
 class StrategyConfig:
     name: StrategyName = StrategyName.single
     # ddp: gradients are all-reduced in buckets of this size while backward still runs.
@@ -289,6 +311,7 @@ class StrategyConfig:
     # Joining the group: peers may still be starting (importing torch, loading data), so
     # this is longer; a rank that never shows up still fails the round after it.
     init_timeout_seconds: float = bounded(600.0, gt=0)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 @dataclass

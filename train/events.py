@@ -54,6 +54,9 @@ KINDS: Dict[str, Dict[str, type]] = {
     "rollback": {"step": int, "to_step": int, "seconds": float},  # health: reloaded
     "fault": {"source": str, "error": str},  # source: health, preemption, exception
     "end": {"step": int},  # trained to the last step
+    # strategy=ddp_ft: this replica group copied a healthy peer's state, `step` -> `to_step`
+    "heal": {"step": int, "to_step": int, "seconds": float},
+    "regroup": {"step": int, "participants": int},  # ddp_ft: step's replica groups changed
     "exit": {"code": int},
 }
 OPTIONAL: Dict[str, Dict[str, type]] = {"fault": {"step": int}, "start": {"host": str}}

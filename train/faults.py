@@ -9,6 +9,9 @@ that does nothing unless a fault is due there (`NO_FAULTS`, the default, never i
                                 SIGKILL rank 0 inside its 2nd save (written, uploading,
                                 uploaded, committing)
     kill:rank=0:at=load         SIGKILL rank 0 while it loads a checkpoint on resume
+    kill:rank=0:at=allreduce:step=5
+                                SIGKILL rank 0 as it hands its part to step 5's cross-replica
+                                all-reduce, where its peers wait for it (strategy=ddp_ft)
     raise:rank=1:step=4         a Python exception
     nan:rank=1:step=6           rank 1's loss (and so its gradients) become NaN
     hang:rank=1:step=5          rank 1 spins in an endless loop (stuck in its own code)
@@ -17,6 +20,10 @@ that does nothing unless a fault is due there (`NO_FAULTS`, the default, never i
     preflight:rank=1            rank 1's device computes a wrong result in the pre-flight
     omit:keys=rng,data          leave those checkpoint keys out of every save and load (`data`:
                                 the data position; the negative controls of the resume tests)
+    static_split                strategy=ddp_ft: each replica group keeps its slot by replica
+                                id whoever participates (the negative control of exactness)
+    delay:ms=300                strategy=ddp_ft: every step at reduced width starts this much
+                                later (survivors go on slowly while a killed group restarts)
 
 Without `rank=` a fault fires on every rank. Each fires once per run: a marker under
 `<run dir>/faults/` (holding the time it fired) keeps it from firing again after the
@@ -42,7 +49,8 @@ from train.errors import ConfigError
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "GOODPUT_FAULT"
-ACTIONS = ("kill", "raise", "nan", "hang", "stop", "corrupt", "preflight", "omit")
+ACTIONS = ("kill", "raise", "nan", "hang", "stop", "corrupt", "preflight", "omit",
+           "static_split", "delay")
 
 
 class InjectedFault(RuntimeError):
@@ -60,6 +68,7 @@ class Fault:
     at: Optional[str] = None
     keys: Tuple[str, ...] = ()
     every: bool = False
+    ms: Optional[int] = None
 
 
 def parse(text: str) -> List[Fault]:
@@ -79,7 +88,7 @@ def _parse_one(spec: str, parts: List[str]) -> Fault:
     if parts[0] not in ACTIONS:
         raise ValueError(f"unknown action; actions: {', '.join(ACTIONS)}")
     fields: Dict[str, str] = dict(p.split("=", 1) for p in parts[1:])
-    ints = {k: int(fields.pop(k)) for k in ("rank", "step", "save") if k in fields}
+    ints = {k: int(fields.pop(k)) for k in ("rank", "step", "save", "ms") if k in fields}
     keys = tuple(filter(None, fields.pop("keys", "").split(",")))
     fault = Fault(spec, parts[0], phase=fields.pop("phase", None), at=fields.pop("at", None),
                   keys=keys, every=fields.pop("every", "0") == "1", **ints)
@@ -94,8 +103,11 @@ class FaultHook:
     The points: "step" (step=, as a step starts), "loss" (step=, loss=: may poison it in
     place), "stepped" (step=, model=), "preflight" (result=: may corrupt it in place),
     "load" (as a resume starts loading), "save" (phase=, step=: inside a save), "state"
-    (state=: the checkpoint's `Stateful` parts, may lose some) and "loaded" (state=: what a
-    load gave back, may be changed).
+    (state=: the checkpoint's `Stateful` parts, may lose some), "loaded" (state=: what a
+    load gave back, may be changed), and for strategy=ddp_ft "allreduce" (step=: the
+    cross-replica all-reduce is in flight) and "split" (split=, replica_id=,
+    replica_groups=: this group's share of the step, may be changed in place) and
+    "quorum" (participants=, replica_groups=: the step's quorum is agreed).
     """
 
     def at(self, point: str, **context: Any) -> None:
@@ -151,7 +163,7 @@ class Faults(FaultHook):
         return None
 
     def _at_step(self, step: int) -> None:
-        if self._due("kill", step=step):
+        if self._due("kill", step=step, at=None):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("raise", step=step):
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
@@ -177,6 +189,20 @@ class Faults(FaultHook):
     def _at_load(self) -> None:
         if self._due("kill", at="load"):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _at_allreduce(self, step: int) -> None:
+        if self._due("kill", at="allreduce", step=step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _at_quorum(self, participants: int, replica_groups: int) -> None:
+        if participants < replica_groups:
+            for fault in self.faults:
+                if fault.action == "delay":
+                    time.sleep((fault.ms or 0) / 1000)
+
+    def _at_split(self, split: Dict[str, int], replica_id: int, replica_groups: int) -> None:
+        if any(fault.action == "static_split" for fault in self.faults):
+            split.update(part=replica_id, parts=replica_groups)
 
     def _at_save(self, phase: str, step: int) -> None:
         if phase == "written":

@@ -21,6 +21,7 @@ from train import events
 from train.checkpoint import Checkpointer
 from train.errors import TrainingError
 from train.faults import NO_FAULTS, FaultHook
+from train.ft import NO_REPLICAS, Replicas, StepNotCommitted
 from train.goodput import Goodput
 from train.health import HealthMonitor, Watchdog
 from train.parallel import gradient_sync, runs_in_lockstep
@@ -87,16 +88,18 @@ class StepOutcome:
     problem: Optional[str]  # why the step must not count (then it is rolled back)
     skip_batch: bool  # the problem was the data's: skip this global batch from now on
     stop: bool  # some rank was asked to stop (preemption)
+    redo: Optional[str] = None  # ddp_ft: why the replica groups did not commit the step
 
 
 def fit(learner: Learner, loader_at: Callable[[Position], torch.utils.data.DataLoader],
         val_loader: torch.utils.data.DataLoader, plan: LoopPlan, position: Position,
         health: HealthMonitor, watchdog: Watchdog, preemption: PreemptionFlag,
         checkpointer: Optional[Checkpointer], goodput: Goodput,
-        tracker: NullTracker = NullTracker(), faults: FaultHook = NO_FAULTS) -> Dict[str, float]:
+        tracker: NullTracker = NullTracker(), faults: FaultHook = NO_FAULTS,
+        replicas: Replicas = NO_REPLICAS) -> Dict[str, float]:
     """Train from `position` to `plan.total_steps` optimizer steps; returns the last metrics
     of each kind. `position` is the one record of where the run is: each step, skip and
-    rollback hands back the next one."""
+    rollback hands back the next one (and under ddp_ft, a heal from a peer)."""
     last: Dict[str, float] = {}
     goodput.started(position.step)
     loader, began, first_step = loader_at(position), time.perf_counter(), position.step + 1
@@ -106,24 +109,35 @@ def fit(learner: Learner, loader_at: Callable[[Position], torch.utils.data.DataL
         while position.step < plan.total_steps:
             step = position.step + 1
             watchdog.beat()
+            if (regrouped := replicas.start_step(position)) is not None:
+                # ddp_ft: other participants (the global batch is split anew), or this group
+                # healed from a peer: the batches from there
+                position, loader = regrouped, loader_at(regrouped)
+                batches = iter(loader)
+                continue
             micro_batches, data_wait = fetch_global_batch(batches, plan.grad_accum_steps, window)
             record_batches(loader, micro_batches)
             if step == first_step:
                 last.update(log_first_batch(tracker, began))
                 events.record("first_step", step=step)
             if health.skipped(step):  # a rollback ruled this global batch out
-                record_step(ledger, plan, step, micro_batches, loss=None)
+                record_step(ledger, plan, step, micro_batches, None, replicas.ledger_slot())
                 position = advance(learner, position, plan)
                 goodput.step_done(step, data_wait, stall=0.0)
                 continue
             outcome = run_step(learner, micro_batches, plan, step, health, preemption, faults)
+            if outcome.redo:  # ddp_ft: a replica group failed during the step
+                log.warning("%s: redoing it with the groups that are left", outcome.redo)
+                replicas.redo()
+                goodput.rolled_back(step, step - 1, time.perf_counter())  # its time is lost
+                continue
             if outcome.problem:
                 position = roll_back(outcome, step, health, checkpointer, tracker, goodput)
                 loader, window = loader_at(position), Window()
                 batches = iter(loader)
                 continue
             window.losses.append(outcome.loss)
-            record_step(ledger, plan, step, micro_batches, outcome.loss)
+            record_step(ledger, plan, step, micro_batches, outcome.loss, replicas.ledger_slot())
             position = advance(learner, position, plan)
             last_step = step == plan.total_steps
             stall = (checkpointer.save(position, last_step=last_step or outcome.stop)
@@ -134,7 +148,7 @@ def fit(learner: Learner, loader_at: Callable[[Position], torch.utils.data.DataL
                 stop_for_preemption(step, preemption, checkpointer, goodput)
             if step % plan.log_every_steps == 0 or last_step:
                 last.update(log_window(window, learner, loader, plan, step, checkpointer,
-                                       goodput, tracker, bar))
+                                       goodput, tracker, bar, replicas))
                 window = Window()
             if step % plan.val_every_steps == 0 or last_step:
                 last.update(validate(learner.model, val_loader, plan, step, watchdog, tracker))
@@ -147,7 +161,11 @@ def run_step(learner: Learner, micro_batches: List[Batch], plan: LoopPlan, step:
     """Train `step`, then judge it: the health checks' all-reduce also carries this rank's
     stop request, so every rank agrees on both verdicts."""
     faults.at("step", step=step)
-    loss, grad_norm = train_step(learner.model, learner.optimizer, micro_batches, plan)
+    try:
+        loss, grad_norm = train_step(learner.model, learner.optimizer, micro_batches, plan)
+    except StepNotCommitted as failed:  # nothing was applied: drop the partial gradients
+        learner.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(torch.zeros(()), None, False, False, redo=str(failed))
     faults.at("loss", step=step, loss=loss)
     faults.at("stepped", step=step, model=learner.model)
     bad_batch, stop = health.check_step(step, loss, grad_norm, preemption.requested())
@@ -171,7 +189,8 @@ def log_first_batch(tracker: NullTracker, began: float) -> Dict[str, float]:
 
 def log_window(window: Window, learner: Learner, loader: torch.utils.data.DataLoader,
                plan: LoopPlan, step: int, checkpointer: Optional[Checkpointer],
-               goodput: Goodput, tracker: NullTracker, bar: ProgressBar) -> Dict[str, float]:
+               goodput: Goodput, tracker: NullTracker, bar: ProgressBar,
+               replicas: Replicas = NO_REPLICAS) -> Dict[str, float]:
     """The metrics of the steps since the last log line: logged, drawn, and returned."""
     metrics = window.summary(learner.scheduler.get_last_lr()[0],
                              len(window.losses) * plan.global_batch_size)
@@ -179,6 +198,7 @@ def log_window(window: Window, learner: Learner, loader: torch.utils.data.DataLo
     if checkpointer:
         metrics.update(checkpointer.metrics())
     metrics.update(goodput.metrics())
+    metrics.update(replicas.metrics())
     goodput.save()
     events.progress(step)
     tracker.log_metrics(metrics, step)
@@ -195,12 +215,14 @@ def validate(model: torch.nn.Module, val_loader: torch.utils.data.DataLoader, pl
 
 
 def record_step(ledger: Optional[LedgerWriter], plan: LoopPlan, step: int,
-                micro_batches: List[Batch], loss: Optional[torch.Tensor]) -> None:
-    """The audit ledger's line for this rank's part of `step` (loss None: skipped)."""
+                micro_batches: List[Batch], loss: Optional[torch.Tensor],
+                slot: Dict[str, int]) -> None:
+    """The audit ledger's line for this rank's part of `step` (loss None: skipped; `slot`:
+    the rank and world of a step whose width was chosen step by step, {}: the writer's)."""
     if ledger:
         samples = torch.cat([b.indices for b in micro_batches]).tolist()
         ledger.record(step, (step - 1) // plan.steps_per_epoch, samples,
-                      None if loss is None else loss.item())
+                      None if loss is None else loss.item(), **slot)
 
 
 def stop_for_preemption(step: int, preemption: PreemptionFlag,

@@ -1,4 +1,4 @@
-"""How the model is spread over the ranks: `strategy=single | ddp | fsdp`.
+"""How the model is spread over the ranks: `strategy=single | ddp | fsdp | ddp_ft`.
 
 `parallelize` wraps the model once, after it is on its device and before the optimizer sees
 its parameters (FSDP replaces them with sharded DTensors). The helpers below are what the
@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from train.config import StrategyConfig, StrategyName
 from train.distributed import World
 from train.errors import ConfigError
+from train.ft import replicas_of
 
 # FSDP2 averages fp32/bf16 gradients inside the reduce-scatter, with ReduceOp.AVG
 # (_fsdp_collectives._get_gradient_divide_factors). pytorch#162338 (open) reports gloo summing
@@ -33,8 +34,12 @@ from train.errors import ConfigError
 
 def parallelize(model: torch.nn.Module, cfg: StrategyConfig, world: World,
                 device: torch.device) -> torch.nn.Module:
-    """The model wrapped for `cfg.name`: as it is, in DDP, or sharded in place by FSDP2."""
+    """The model wrapped for `cfg.name`: as it is, in DDP, or sharded in place by FSDP2.
+    Under ddp_ft it stays as it is: `train.ft` averages its gradients across ranks and
+    replica groups once it has joined them."""
     name = StrategyName(cfg.name)
+    if name == StrategyName.ddp_ft:
+        return model
     if name == StrategyName.single:
         if world.world_size > 1:
             # Each rank would train its own copy on its slice of the data, never averaged.
@@ -59,13 +64,17 @@ def parallelize(model: torch.nn.Module, cfg: StrategyConfig, world: World,
 def runs_in_lockstep(model: torch.nn.Module) -> bool:
     """Whether forwards and backwards are collectives: every rank must run as many as every
     other one, or the group hangs until its timeout."""
-    return isinstance(model, (DistributedDataParallel, FSDPModule))
+    return (isinstance(model, (DistributedDataParallel, FSDPModule))
+            or replicas_of(model) is not None)
 
 
 def gradient_sync(model: torch.nn.Module, enabled: bool) -> ContextManager:
     """Around one micro-batch's forward and backward: whether its backward reduces gradients
     across ranks. Accumulating micro-batches only need the last one to, and that reduction
     carries the sum of all of them."""
+    replicas = replicas_of(model)
+    if replicas is not None:
+        return replicas.averaging() if enabled else nullcontext()
     if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()
     if isinstance(model, FSDPModule):

@@ -1,0 +1,334 @@
+"""In-band recovery on torchft (`strategy=ddp_ft`): a replica group that fails drops out of
+the step, the others go on at a smaller width, and the failed group, once restarted, rejoins
+by copying the live state from a healthy one. The survivors never restart.
+
+Each data-parallel replica group is one torchrun job (of any number of ranks); the groups
+meet under a torchft lighthouse, which agrees on a quorum for every step. What keeps the data
+exact, which torchft's own sampler does not (it drops a dead group's batches):
+
+- The global batch of step s is a pure function of (seed, epoch, step), as under every
+  strategy. The step's participants split it among themselves: rank r of participant p of P
+  (groups of W ranks) takes slot p*W + r of P*W (`data.sampler.split_bounds`).
+- Each trainer's gradients (a mean over its samples) times its sample count are summed over
+  its group and then over the groups, with the counts, and divided by the summed count: the
+  mean over the whole global batch however it was split, bad files left out included.
+  Floating-point buffers (BatchNorm statistics) are averaged the same way, so every group
+  holds bit-equal state after every step.
+- torchft's `should_commit` gates the optimizer step. A step that fails to commit (a peer died
+  in the all-reduce) raises `StepNotCommitted`; the loop redoes it under the next quorum,
+  re-split. The audit ledger records a step only once it committed.
+
+Each group keeps its own run directory and checkpoints (`<run dir>/replica_<id>/`): a whole-job
+failure (every group, or the lighthouse) resumes each group from its own newest checkpoint,
+and the first quorum then heals the groups behind from the one furthest ahead. Only this
+module imports torchft (the optional `ft` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from train import events
+from train.config import FaultToleranceConfig
+from train.distributed import World
+from train.errors import ConfigError, TrainingError
+from train.faults import FaultHook
+from train.health import HealthState
+from train.state import Position, SchedulerState
+
+log = logging.getLogger(__name__)
+
+Split = Tuple[int, int]  # (this trainer's slot, the step's number of slots)
+
+# The model each trainer's replica set serves: how `train.parallel` tells a model whose
+# gradients are averaged across replica groups (no wrapper, so state-dict keys stay plain).
+_REPLICAS: "weakref.WeakKeyDictionary[torch.nn.Module, FaultTolerantReplicas]" = \
+    weakref.WeakKeyDictionary()
+
+
+class StepNotCommitted(RuntimeError):
+    """The replica groups did not commit this step (a peer failed during it): redo it."""
+
+
+class Replicas:
+    """What the loop asks of the replica groups. This base, `NO_REPLICAS`, is every strategy
+    but ddp_ft: one fixed world, nothing to agree on."""
+
+    def join(self, position: Position) -> Position:
+        """Before the first step: where to start (a healthy peer's position, if it is ahead)."""
+        return position
+
+    def start_step(self, position: Position) -> Optional[Position]:
+        """Before each step: None to go on with the current batches, or the position to
+        rebuild them at (the participants changed, or this group healed from a peer)."""
+        return None
+
+    def split(self) -> Optional[Split]:
+        """This trainer's slot of the global batch for the batches built now (None: the
+        fixed split by rank)."""
+        return None
+
+    def redo(self) -> None:
+        """The step did not commit: its batches are spent, so rebuild them."""
+
+    def ledger_slot(self) -> Dict[str, int]:
+        """The audit ledger's `rank` and `world` for the step just committed ({}: the
+        writer's own)."""
+        return {}
+
+    def metrics(self) -> Dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+NO_REPLICAS = Replicas()
+
+
+def replicas_of(model: torch.nn.Module) -> Optional["FaultTolerantReplicas"]:
+    return _REPLICAS.get(model)
+
+
+def replica_dir(run_dir: Path, cfg: FaultToleranceConfig) -> Path:
+    """A replica group's own run directory: its lock, timeline, goodput and health files."""
+    return run_dir / f"replica_{cfg.replica_id}"
+
+
+def weighted_sums(model: torch.nn.Module, samples: int) -> torch.Tensor:
+    """This trainer's addends of the step: its gradients (means over its `samples`) and
+    floating-point buffers, times `samples`, then `samples` itself; flat, in fp32."""
+    parts = [p.grad if p.grad is not None else torch.zeros_like(p)
+             for p in model.parameters() if p.requires_grad]
+    parts += [b for b in model.buffers() if b.is_floating_point()]
+    flat = torch.cat([t.detach().reshape(-1).float() for t in parts])
+    count = torch.full((1,), float(samples), device=flat.device)
+    return torch.cat([flat * samples, count])
+
+
+def apply_means(model: torch.nn.Module, sums: torch.Tensor) -> None:
+    """Divide the summed addends by the summed count and put them back: every gradient
+    becomes the mean over all samples of the step, every buffer their weighted mean. No
+    sample anywhere (every file bad): gradients are zero and buffers stay."""
+    total = sums[-1]
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    offset = 0
+    with torch.no_grad():
+        for t, is_param in [(p, True) for p in params] + [(b, False) for b in buffers]:
+            piece = sums[offset:offset + t.numel()].view_as(t)
+            offset += t.numel()
+            if is_param:
+                if t.grad is None:
+                    t.grad = torch.zeros_like(t)
+                t.grad.copy_(piece / total if total > 0 else torch.zeros_like(piece))
+            elif total > 0:
+                t.copy_(piece / total)
+
+
+class FaultTolerantReplicas(Replicas):
+    """This trainer's membership of the replica groups, through a torchft `Manager`."""
+
+    def __init__(self, cfg: FaultToleranceConfig, world: World, device: torch.device,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, health: HealthState,
+                 faults: FaultHook) -> None:
+        self.cfg, self.world, self.model, self.faults = cfg, world, model, faults
+        self.optimizer, self.scheduler, self.health = optimizer, scheduler, health
+        self.position = Position()
+        self.manager = connect(cfg, world, device, self._state, self._load)
+        self._samples = 0  # trained by this trainer since the last gradient average
+        self._healed: Optional[Position] = None
+        self._quorum_done = False  # the next step's quorum already ran (in `join`)
+        self._loader_split: Optional[Split] = None
+        self._stale = False
+        self._width: Optional[int] = None
+        self._width_since = time.perf_counter()
+        self.degraded_seconds = self.heal_seconds = 0.0
+        model.register_forward_pre_hook(self._count)
+        _REPLICAS[model] = self
+
+    # -- the step's quorum ---------------------------------------------------------------
+
+    def join(self, position: Position) -> Position:
+        began = time.perf_counter()
+        self._quorum(position)
+        self._quorum_done = True
+        log.info("replica group %d joined: %d of %d groups participate, from step %d (%.2fs)",
+                 self.cfg.replica_id, self.manager.num_participants(), self.cfg.replica_groups,
+                 self.position.step, time.perf_counter() - began)
+        return self.position
+
+    def start_step(self, position: Position) -> Optional[Position]:
+        if not self._quorum_done:
+            self._quorum(position)
+        split = self._current_split()
+        if self._healed is not None or self._stale or split != self._loader_split:
+            self._healed, self._stale = None, False
+            self._quorum_done = True  # the loop comes back for this very step
+            return self.position
+        self._quorum_done = False
+        return None
+
+    def _quorum(self, position: Position) -> None:
+        """One quorum: wait for the lighthouse's agreement on who takes part in the next
+        step; if this group is behind, copy a healthy peer's state (torchft heals here)."""
+        self.position = position
+        if self.manager.current_step() != position.step:  # a resume or rollback moved us
+            self.manager.load_state_dict({"step": position.step,
+                                          "batches_committed": self.manager.batches_committed()})
+        began = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+        except Exception as err:  # the lighthouse is gone, or no quorum within the timeout
+            raise TrainingError(
+                f"no quorum from the torchft lighthouse at {self.cfg.lighthouse} within "
+                f"{self.cfg.quorum_timeout_seconds:g}s ({str(err).splitlines()[0][:200]}): "
+                f"restart the lighthouse; this group resumes from its checkpoint when run "
+                f"again") from None
+        if self._healed is not None:
+            seconds = time.perf_counter() - began
+            self.heal_seconds += seconds
+            log.warning("replica group %d healed from a healthy peer: step %d -> %d in %.2fs",
+                        self.cfg.replica_id, position.step, self._healed.step, seconds)
+            events.record("heal", step=position.step, to_step=self._healed.step,
+                          seconds=seconds)
+            self.position = self._healed
+        self._note_width(self.manager.num_participants())
+        self.faults.at("quorum", participants=self.manager.num_participants(),
+                       replica_groups=self.cfg.replica_groups)
+
+    def _note_width(self, participants: int) -> None:
+        """Account the time since the last quorum as degraded if fewer groups than
+        `replica_groups` took part; log and record each change of width."""
+        now = time.perf_counter()
+        if self._width is not None and self._width < self.cfg.replica_groups:
+            self.degraded_seconds += now - self._width_since
+        self._width_since = now
+        if participants != self._width:
+            log.warning("step %d: %d of %d replica groups participate", self.position.step + 1,
+                        participants, self.cfg.replica_groups)
+            events.record("regroup", step=self.position.step + 1, participants=participants)
+        self._width = participants
+
+    def _current_split(self) -> Split:
+        """Slot p*W + r of P*W, P the step's participants (every member of a synchronous
+        quorum participates), W this group's ranks."""
+        group = self.world.world_size
+        split = {"part": int(self.manager.participating_rank()),
+                 "parts": self.manager.num_participants()}
+        # The negative control of the exactness tests: keep the split fixed by replica id.
+        self.faults.at("split", split=split, replica_id=self.cfg.replica_id,
+                       replica_groups=self.cfg.replica_groups)
+        return split["part"] * group + self.world.rank, split["parts"] * group
+
+    def split(self) -> Split:
+        self._loader_split = self._current_split()
+        return self._loader_split
+
+    def redo(self) -> None:
+        self._stale = True
+
+    def ledger_slot(self) -> Dict[str, int]:
+        slot, slots = self._loader_split or (self.world.rank, self.world.world_size)
+        return {"rank": slot, "world_size": slots}
+
+    # -- the gradient average ------------------------------------------------------------
+
+    def _count(self, module: torch.nn.Module, args: Tuple[Any, ...]) -> None:
+        if module.training:  # stand-in forwards run in eval mode and carry no sample
+            self._samples += args[0].shape[0]
+
+    @contextmanager
+    def averaging(self) -> Iterator[None]:
+        """Around the last micro-batch's backward: then average over all participants, and
+        commit the step or raise `StepNotCommitted`."""
+        yield
+        self.average_gradients()
+
+    def average_gradients(self) -> None:
+        sums, self._samples = weighted_sums(self.model, self._samples), 0
+        if self.world.world_size > 1:  # this group's ranks first, then across the groups
+            dist.all_reduce(sums)
+        # Peers may already wait in the all-reduce for this trainer's part.
+        self.faults.at("allreduce", step=self.position.step + 1)
+        self.manager.allreduce(sums, reduce_op=dist.ReduceOp.SUM).wait()
+        if not self.manager.should_commit():
+            raise StepNotCommitted(f"step {self.position.step + 1} did not commit across the "
+                                   f"replica groups ({self.manager.errored() or 'too few'})")
+        apply_means(self.model, sums)
+
+    # -- what a healing peer copies -------------------------------------------------------
+
+    def _state(self) -> Dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "scheduler": SchedulerState(self.scheduler).state_dict(),
+                "health": self.health.state_dict(), "position": asdict(self.position)}
+
+    def _load(self, state: Dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        SchedulerState(self.scheduler).load_state_dict(state["scheduler"])
+        self.health.load_state_dict(state["health"])
+        self._healed = Position(**{k: int(v) for k, v in state["position"].items()})
+
+    def metrics(self) -> Dict[str, float]:
+        return {"goodput/degraded_seconds": self.degraded_seconds,
+                "goodput/heal_seconds": self.heal_seconds,
+                "ft/participants": float(self._width or 0)}
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
+            state_dict: Any, load_state_dict: Any) -> Any:
+    """A torchft `Manager` for this trainer: it reaches the lighthouse (group rank 0) and the
+    store torchrun hosts (or init_world's, outside torchrun)."""
+    try:
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+    except ImportError as err:
+        raise ConfigError(f"strategy=ddp_ft needs torchft ({err}): pip install -e '.[ft]'"
+                          ) from None
+    timeout = timedelta(seconds=cfg.timeout_seconds)
+    pg = (ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
+          else ProcessGroupGloo(timeout=timeout))
+    try:
+        return Manager(
+            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
+            min_replica_size=cfg.min_replicas,
+            # Synchronous: the split of a step's data needs its participants before the data
+            # is fetched, and a healed group then takes part in the very step it joined.
+            use_async_quorum=False,
+            timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
+            connect_timeout=timedelta(seconds=cfg.connect_timeout_seconds),
+            rank=world.rank, world_size=world.world_size, lighthouse_addr=cfg.lighthouse,
+            replica_id=f"replica_{cfg.replica_id}",
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
+    except Exception as err:  # torchft raises plain RuntimeErrors from its Rust client
+        raise TrainingError(
+            f"cannot join the torchft lighthouse at {cfg.lighthouse} "
+            f"({str(err).splitlines()[0][:200]}): start it (torchft_lighthouse --min_replicas 1 "
+            f"--bind HOST:PORT) or point strategy.fault_tolerance.lighthouse at it") from None
+
+
+def check_plan(grad_accum_steps: int) -> None:
+    """ddp_ft's split is per step, not per micro-batch: the sample weighting is exact only
+    with one micro-batch per step."""
+    if grad_accum_steps != 1:
+        raise ConfigError(f"strategy=ddp_ft needs trainer.grad_accum_steps=1 (got "
+                          f"{grad_accum_steps}): spread the batch over more groups or ranks instead, "
+                          f"or use strategy=ddp")
+
