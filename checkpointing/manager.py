@@ -265,15 +265,25 @@ class CheckpointManager:
             self._rename_into_place(self.remote, partial, step)
             if self.local:
                 self._rename_into_place(self.local, partial, step)
-            # Where DCP wrote, every rank's checksums came from the bytes as they were
-            # written and fsynced: retention need not read them back (an uploaded copy,
-            # which nobody has checked yet, it does read).
-            self._verified.add(((self.local or self.remote).url, step))
+            self._trust_what_was_written(step)
             self.apply_retention(step)
         elif self.local and self.local_rank == 0:
             self._clean_local_partials(step)
         self.last_complete_step = step
         self.last_save_seconds = time.perf_counter() - start
+
+    def _trust_what_was_written(self, step: int) -> None:
+        """Where DCP wrote, every rank's checksums came from the bytes as they were written
+        and fsynced: retention need not read them back (an uploaded copy, which nobody has
+        checked yet, it does read). It must still find every rank's files there: on a job of
+        several nodes, this node's staging holds only its own ranks' (and retention drops
+        that incomplete copy)."""
+        store = self.local or self.remote
+        try:
+            commit.verify(store, commit.step_dir_name(step), step, checksums=False)
+        except commit.Incomplete:
+            return
+        self._verified.add((store.url, step))
 
     def _written_records(self, target: Path) -> Dict[str, FileRecord]:
         """This rank's files in `target` (rank 0's include `.metadata`), with the checksums
