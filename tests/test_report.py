@@ -11,6 +11,8 @@ import signal
 import struct
 from pathlib import Path
 
+import pytest
+
 from support.launch import PYTHON, finish, launch, run, run_job
 from support.runs import train_args
 from train import events, report
@@ -131,3 +133,70 @@ def test_a_directory_that_is_not_a_run_is_one_line(tmp_path):
         line, = result.stderr.splitlines()
         assert line.startswith("error: ") and "is not a run directory" in line
         assert "outputs/<run name>" in line
+
+
+BOOKS = {"compute": 1.0, "data_wait": 1.0, "checkpoint_stall": 1.0, "restore": 1.0, "lost": 1.0}
+
+
+@pytest.mark.parametrize("source", ["$\\frac{$", "$", "a $x^$ b", "$$", "\\$\\"])
+@pytest.mark.parametrize("name", ["plain", "cost $5", "$\\sqrt{$"])
+def test_event_text_and_run_names_are_drawn_as_text_not_formulas(tmp_path, capsys, source,
+                                                                  name):
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    (run_dir / "events.jsonl").write_text(
+        event_line("start", world_size=1) + "\n"
+        + event_line("fault", source=source, error="e") + "\n" + event_line("exit", code=1)
+        + "\n")
+    assert report.main([str(run_dir)]) == 0, capsys.readouterr()
+    assert png_size(run_dir / "goodput.png")
+
+
+@pytest.mark.parametrize("seconds", [dict(BOOKS, compute=1e308, lost=1e308),
+                                     dict(BOOKS, compute=float("inf")),
+                                     dict(BOOKS, restore=-1.0)])
+def test_books_whose_total_is_not_a_time_are_refused(tmp_path, capsys, seconds):
+    (tmp_path / "goodput.json").write_text(json.dumps({"seconds": seconds}))
+    assert report.main([str(tmp_path)]) == 0
+    assert "goodput unknown: goodput.json holds impossible times" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("out, says", [("x.xyz", "Format 'xyz' is not supported"),
+                                       (".", "not a regular file"),
+                                       ("/dev/null", "not a regular file"),
+                                       ("no/x.png", "No such file or directory")])
+def test_a_picture_that_cannot_be_written_is_one_line(tmp_path, capsys, out, says):
+    (tmp_path / "goodput.json").write_text(json.dumps({"seconds": BOOKS}))
+    assert report.main([str(tmp_path), "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err
+    line, = err.splitlines()
+    assert line.startswith("error: cannot write ") and says in line and "--out PATH" in line
+    assert not (tmp_path / "no").exists() and os.path.exists("/dev/null")
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+                                     KeyboardInterrupt()])
+def test_a_picture_cut_short_keeps_the_previous_one(tmp_path, monkeypatch, failure):
+    # A full disk, or a signal while the end-of-run report renders: half a picture is
+    # written, then the write fails. The previous picture stays whole, nothing is left over.
+    (tmp_path / "goodput.json").write_text(json.dumps({"seconds": BOOKS}))
+    assert report.main([str(tmp_path)]) == 0
+    before = (tmp_path / "goodput.png").read_bytes()
+    from matplotlib.figure import Figure
+
+    def half(self, f, **kwargs):
+        f.write(before[:100])
+        raise failure
+
+    monkeypatch.setattr(Figure, "savefig", half)
+    with pytest.raises(type(failure)):
+        report.render(report.load_run(tmp_path), tmp_path / "goodput.png")
+    assert (tmp_path / "goodput.png").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["goodput.json", "goodput.png"]
+
+
+def test_a_picture_path_without_a_suffix_is_a_png_there(tmp_path, capsys):
+    (tmp_path / "goodput.json").write_text(json.dumps({"seconds": BOOKS}))
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "picture")]) == 0
+    assert f"picture: {tmp_path / 'picture'}" in capsys.readouterr().out
+    assert png_size(tmp_path / "picture")

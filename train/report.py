@@ -21,6 +21,7 @@ said so.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from common.files import atomic_file
 from train.events import EVENTS_FILE, Event, Events, read_events
 from train.goodput import PARTS
 
@@ -133,7 +135,7 @@ def read_books(path: Path) -> Tuple[Optional[Dict], str]:
         ended = bool(books.get("ended", False))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None, f"{GOODPUT_FILE} cannot be read"
-    if not all(math.isfinite(s) and s >= 0 for s in seconds.values()):
+    if not (all(s >= 0 for s in seconds.values()) and math.isfinite(sum(seconds.values()))):
         return None, f"{GOODPUT_FILE} holds impossible times"
     return {"seconds": seconds, "ended": ended}, ""
 
@@ -249,6 +251,11 @@ def status(run: Run) -> str:
 # ---- the picture ----
 
 def render(run: Run, out: Path) -> None:
+    """Draw the picture into `out` (its format by its suffix, PNG without one), whole or
+    not at all: a full disk or a signal mid-write keeps the previous picture. Raises
+    ValueError for a format matplotlib cannot write, OSError when `out` cannot be written."""
+    if out.exists() and not out.is_file():  # a device or a folder: never replaced
+        raise OSError(errno.EINVAL, "not a regular file")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,11 +270,15 @@ def render(run: Run, out: Path) -> None:
     fig.suptitle(f"{title}   ·   {plural(c.restarts, 'restart')}, "
                  f"{plural(c.committed, 'checkpoint')}, "
                  f"{plural(sum(c.failures.values()), 'failure')}", fontsize=14,
-                 fontweight="bold")
-    draw_bar(bar, run)
-    draw_timeline(timeline, run)
-    fig.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+                 fontweight="bold", parse_math=False)  # a `$` in a run name is no formula
+    try:
+        draw_bar(bar, run)
+        draw_timeline(timeline, run)
+        with atomic_file(out) as f:
+            fig.savefig(f, format=out.suffix[1:].lower() or "png", dpi=100,
+                        bbox_inches="tight")
+    finally:
+        plt.close(fig)
 
 
 def plural(n: int, noun: str) -> str:
@@ -359,7 +370,7 @@ def draw_timeline(ax, run: Run) -> None:
             ax.plot(x(fault.time), y, "X", color=COLORS["lost"], ms=11, zorder=5)
             ax.annotate(FAULT_LABELS.get(fault["source"], fault["source"]),
                         (x(fault.time), y), textcoords="offset points", xytext=(4, 8),
-                        fontsize=8.5, color=COLORS["lost"])
+                        fontsize=8.5, color=COLORS["lost"], parse_math=False)
         for rollback in attempt.of("rollback"):
             ax.annotate(f"rollback {rollback['step']}→{rollback['to_step']}",
                         (x(rollback.time), rollback["to_step"]), textcoords="offset points",
@@ -454,6 +465,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as err:
         print(f"error: cannot write {out} ({err.strerror or err}): pass --out PATH to write "
               f"the picture elsewhere", file=sys.stderr)
+        return 2
+    except ValueError as err:  # matplotlib: "Format 'xyz' is not supported (...)"
+        print(f"error: cannot write {out} ({err}): pass --out PATH ending in .png",
+              file=sys.stderr)
         return 2
     print(f"picture: {out}")
     return 0
