@@ -41,6 +41,8 @@ import yaml
 HOUR = 3600.0
 GOLDEN = (math.sqrt(5) - 1) / 2
 Z99 = 2.576  # the two-sided 99% normal quantile: the simulator's confidence interval
+# Inputs outside this range are typos (1e308 hours); inside it the model's sums stay finite
+SMALLEST, LARGEST = 1e-9, 1e12
 
 
 class PlanError(ValueError):
@@ -71,7 +73,10 @@ def expected_segment_seconds(work: float, stall: float, restart: float, mtbf: fl
 
 
 def exact_goodput(work: float, stall: float, restart: float, mtbf: float) -> float:
-    return work / expected_segment_seconds(work, stall, restart, mtbf)
+    try:
+        return work / expected_segment_seconds(work, stall, restart, mtbf)
+    except OverflowError:  # a restart or segment hundreds of MTBFs long: nothing gets done
+        return 0.0
 
 
 def first_order_goodput(work: float, stall: float, restart: float, mtbf: float) -> float:
@@ -81,7 +86,10 @@ def first_order_goodput(work: float, stall: float, restart: float, mtbf: float) 
 def exact_optimum(stall: float, mtbf: float) -> float:
     """The interval that maximizes `exact_goodput` (restart-independent): golden-section
     search over (0, M], where the goodput is unimodal and the optimum lies."""
-    goodput: Callable[[float], float] = lambda t: t / math.expm1((t + stall) / mtbf)
+    # t / expm1((t+C)/M) times the constant e^(C/M), which overflows for a save of
+    # hundreds of MTBFs (auto_interval with a tiny checkpoint.mtbf_hours): same argmax
+    goodput: Callable[[float], float] = lambda t: t / (math.expm1(t / mtbf)
+                                                       - math.expm1(-stall / mtbf))
     low, high = 0.0, mtbf
     for _ in range(200):
         if high - low <= 1e-9 * mtbf:
@@ -210,13 +218,14 @@ def read_json_lines(path: Path) -> List[Dict]:
     """The well-formed JSON objects of `path`, one a line; a torn or foreign line is
     skipped (the file is appended to by processes that may die mid-line)."""
     records = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:  # a huge integer parses as inf, for `usable` to drop (not OverflowError)
+                record = json.loads(line, parse_int=float)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                records.append(record)
     return records
 
 
@@ -226,9 +235,9 @@ def rank0_events(records: List[Dict], kind: str) -> List[Dict]:
 
 
 def usable(values: List[object]) -> List[float]:
-    """The finite, non-negative numbers among `values` (the file is hostile input)."""
-    return [float(v) for v in values
-            if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0]
+    """The numbers among `values` from 0 to LARGEST (the file is hostile input)."""
+    return [float(v) for v in values if isinstance(v, (int, float))
+            and not isinstance(v, bool) and 0 <= v <= LARGEST]
 
 
 def since_start(records: List[Dict], kind: str) -> List[float]:
@@ -270,16 +279,21 @@ def step_seconds(run_dir: Path) -> Optional[float]:
         totals = json.loads((run_dir / "goodput.json").read_text())
         busy = float(totals["seconds"]["compute"]) + float(totals["seconds"]["data_wait"])
         steps = int(totals["counted_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None
-    return busy / steps if steps > 0 and busy > 0 else None
+    return busy / steps if steps > 0 and 0 < busy < math.inf else None
 
 
 def measured_in(run_dir: Path) -> RunMeasures:
     if not run_dir.is_dir():
         raise PlanError(f"--from-run {run_dir} is not a directory: give a run directory "
                         f"(outputs/<run name>)")
-    measures = from_events(run_dir)
+    try:
+        measures = from_events(run_dir)
+    except OSError as err:
+        raise PlanError(f"cannot read {run_dir / 'events.jsonl'} ({err.strerror or err}): "
+                        f"check its permissions, or give --stall-seconds and "
+                        f"--restart-seconds") from None
     if measures is None:
         raise PlanError(f"{run_dir} records no committed checkpoint save (no events.jsonl "
                         f"with save_staged and save_committed events): run it with "
@@ -292,17 +306,24 @@ def run_mtbf_hours(run_dir: Path) -> Optional[float]:
     """`checkpoint.mtbf_hours` of the run's latest composed config, if recorded."""
     try:
         config = yaml.safe_load((run_dir / ".hydra" / "latest" / "config.yaml").read_text())
-        return float(config["checkpoint"]["mtbf_hours"])
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        hours = float(config["checkpoint"]["mtbf_hours"])
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError, RecursionError):
         return None
+    return hours if SMALLEST <= hours <= LARGEST else None
 
 
 # --- the command ------------------------------------------------------------------------
 
 def positive(name: str, value: Optional[float]) -> Optional[float]:
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise PlanError(f"{name}={value} must be a positive number")
+    if value is not None and not SMALLEST <= value <= LARGEST:  # NaN too
+        raise PlanError(f"{name}={value} must be a positive number from {SMALLEST:g} to "
+                        f"{LARGEST:g}")
     return value
+
+
+def given(value: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """The command line's value (even 0, to be refused), else the run's."""
+    return measured if value is None else value
 
 
 def mtbf_of(args: argparse.Namespace) -> float:
@@ -332,12 +353,12 @@ def measures_of(args: argparse.Namespace) -> Measures:
         print(f"measured in {run.source}: save {duration(run.save)}, stall "
               f"{duration(run.stall)}" + (f", restart {duration(run.restart)}"
                                           if run.restart else ""))
-        restart = args.restart_seconds or run.restart
+        restart = given(args.restart_seconds, run.restart)
         if restart is None:
             raise PlanError(f"{args.from_run} records no process start: give --restart-seconds")
-        stall = args.stall_seconds or run.save
-        async_stall = args.async_stall_seconds or run.stall
-        step = args.step_seconds or run.step
+        stall = given(args.stall_seconds, run.save)
+        async_stall = given(args.async_stall_seconds, run.stall)
+        step = given(args.step_seconds, run.step)
     else:
         if args.stall_seconds is None or args.restart_seconds is None:
             raise PlanError("give --stall-seconds and --restart-seconds, or --from-run "

@@ -126,3 +126,80 @@ def test_from_run_never_resumed_takes_the_start_up_as_the_restart(tmp_path, caps
     assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 0
     out = capsys.readouterr().out
     assert "(1 saves, 1 starts, no resume)" in out and "restart R = 9 s" in out
+
+
+BASE = {"--stall-seconds": "5", "--restart-seconds": "3", "--mtbf-hours": "1"}
+
+
+@pytest.mark.parametrize("name", ["--stall-seconds", "--restart-seconds", "--mtbf-hours",
+                                  "--async-stall-seconds", "--step-seconds"])
+@pytest.mark.parametrize("value", ["1e308", "1e-308", "inf", "-5", "nan", "1e13"])
+def test_numbers_out_of_range_are_one_line_and_exit_2(capsys, name, value):
+    args = [a for k, v in {**BASE, name: value}.items() for a in (k, v)]
+    assert plan.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {name}=") and "from 1e-09 to 1e+12" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("gpus", ["0", "-3", "1" + "0" * 400])
+def test_a_gpu_count_out_of_range_is_one_line(capsys, gpus):
+    assert plan.main(["--gpus", gpus, "--gpu-mtbf-hours", "1", "--stall-seconds", "5",
+                      "--restart-seconds", "3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --gpus=")
+
+
+@pytest.mark.parametrize("args", [
+    ["--mtbf-hours", "1e-9", "--stall-seconds", "1e-9", "--restart-seconds", "1e12"],
+    ["--mtbf-hours", "1", "--stall-seconds", "5", "--restart-seconds", "3",
+     "--async-stall-seconds", "1e12", "--step-seconds", "1e-9"],
+    ["--gpus", "1000", "--gpu-mtbf-hours", "1e-6", "--stall-seconds", "1e-9",
+     "--restart-seconds", "1e12"],
+])
+def test_extremes_in_range_plan_a_goodput_of_zero_not_a_crash(capsys, args):
+    # A restart or a save hundreds of MTBFs long: the exact model's e^(R/M) overflows.
+    assert plan.main(args) == 0
+    assert "0.0%" in capsys.readouterr().out
+    # auto_interval calls these with the measured stall and checkpoint.mtbf_hours
+    assert plan.exact_goodput(1.0, 1.0, 1e6, 1.0) == 0.0
+    assert 0 < plan.exact_optimum(1e4, 1.0) <= 1.0
+
+
+SAVES = [{"kind": "start", "time": 100.0, "rank": 0, "pid": 7},
+         {"kind": "first_step", "time": 109.0, "rank": 0, "pid": 7, "step": 1},
+         {"kind": "save_staged", "rank": 0, "step": 2, "stall": 0.5},
+         {"kind": "save_committed", "rank": 0, "step": 2, "seconds": 4.0}]
+
+
+@pytest.mark.parametrize("hostile", [
+    '{"kind": "save_staged", "rank": 0, "stall": 1' + "0" * 400 + "}",  # inf as an int
+    '{"kind": "save_committed", "rank": 0, "seconds": -1' + "0" * 5000 + "}",  # over 4300 digits
+    "[" * 100_000 + "]" * 100_000,  # deeper than the parser's stack
+    '{"kind": "save_staged", "rank": 0, "stall": true}',
+    '{"kind": "resume", "time": 1e308, "rank": 0, "pid": 7, "step": 1, "seconds": 1}',
+    '{"kind": "start", "time": -1e308, "rank": 0, "pid": 8}',
+], ids=["huge-int", "5000-digits", "deep", "bool", "time-1e308", "time--1e308"])
+@pytest.mark.parametrize("books", ['{"seconds": {"compute": 1e308, "data_wait": 1e308}, '
+                                   '"counted_steps": 1}',
+                                   '{"seconds": {"compute": 1, "data_wait": 1}, '
+                                   '"counted_steps": 1e400}',
+                                   "[" * 100_000], ids=["busy-inf", "steps-inf", "deep"])
+def test_from_run_reads_around_hostile_lines(tmp_path, capsys, hostile, books):
+    lines = [json.dumps(e) for e in SAVES] + [hostile]
+    (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "goodput.json").write_text(books)
+    hydra = tmp_path / ".hydra" / "latest"
+    hydra.mkdir(parents=True)
+    (hydra / "config.yaml").write_text("checkpoint:\n  mtbf_hours: .inf\n")
+    assert plan.main(["--from-run", str(tmp_path)]) == 2  # the run's MTBF is no MTBF
+    assert capsys.readouterr().err.startswith("error: no MTBF")
+    assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "save 4 s, stall 0.5 s" in out and ", step" not in out.splitlines()[1]
+
+
+def test_from_run_takes_an_explicit_zero_as_given_and_refuses_it(tmp_path, capsys):
+    (tmp_path / "events.jsonl").write_text("\n".join(json.dumps(e) for e in SAVES))
+    assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1",
+                      "--restart-seconds", "0"]) == 2
+    assert "error: --restart-seconds=0.0" in capsys.readouterr().err
