@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from itertools import islice
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from checkpointing.checksums import marker_entry, parse_marker_entry
@@ -98,17 +99,21 @@ def verify(store: Store, directory: str, step: int, checksums: bool = True) -> i
             body = json.loads(store.read_bytes(path))
             files = {n: FileRecord.from_marker(n, f) for n, f in body["files"].items()}
             marker_step, marker_world = int(body["step"]), int(body["world_size"])
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError,
+                OverflowError) as err:  # OverflowError: a size of 1e400
             raise Incomplete(f"{marker_name(rank)} is unreadable "
                              f"({type(err).__name__}: {str(err)[:200]})") from None
         if marker_step != step:
             raise Incomplete(f"{marker_name(rank)} belongs to step {marker_step}")
+        if marker_world < 1:
+            raise Incomplete(f"{marker_name(rank)} says world size {marker_world}")
         if world_size not in (None, marker_world):
             raise Incomplete("commit markers disagree on the world size")
         world_size = marker_world
         listed.update(files)
     assert world_size is not None
-    missing_ranks = sorted(set(range(world_size)) - set(ranks))
+    present = set(ranks)  # a marker's world size may be 10**12: never build range() whole
+    missing_ranks = list(islice((r for r in range(world_size) if r not in present), 8))
     if missing_ranks:
         raise Incomplete(f"commit marker of rank(s) {missing_ranks} missing")
     if METADATA_FILE not in listed:  # unsigned, it could be anything, even a FIFO

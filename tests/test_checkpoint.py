@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -213,6 +214,34 @@ def test_a_marker_entry_without_a_checksum_it_can_check_falls_back(tmp_path, cap
     skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
     assert len(skipped) == 1 and "commit_rank_0.json is unreadable" in skipped[0], skipped
     assert "\n" not in skipped[0]
+
+
+HOSTILE_BODIES = {
+    "size inf": lambda body: body["files"]["__0_0.distcp"].update(size=math.inf),
+    "size 1e400": lambda body: body["files"]["__0_0.distcp"].update(size="1e400"),
+    "size -inf": lambda body: body["files"]["__0_0.distcp"].update(size=-math.inf),
+    "world size 10**7": lambda body: body.update(world_size=10 ** 7),
+    "world size 0": lambda body: body.update(world_size=0),
+    "world size -1": lambda body: body.update(world_size=-1),
+    "world size inf": lambda body: body.update(world_size=math.inf),
+}
+
+
+@pytest.mark.parametrize("change", sorted(HOSTILE_BODIES))
+def test_a_marker_with_impossible_numbers_falls_back_in_one_short_line(tmp_path, caplog,
+                                                                      change):
+    # float("1e400") is inf, and int(inf) raises OverflowError, not ValueError
+    root, first = two_checkpoints(tmp_path)
+    path = root / "step_000000002" / "commit_rank_0.json"
+    body = json.loads(path.read_text())
+    HOSTILE_BODIES[change](body)
+    path.write_text(json.dumps(body).replace('"1e400"', "1e400"))
+    with caplog.at_level(logging.WARNING):
+        step, loaded = load_into_fresh(manager(root))
+    assert step == 1 and same(loaded, first)
+    skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    assert len(skipped) == 1 and "step_000000002" in skipped[0], skipped
+    assert len(skipped[0]) < 400 and "\n" not in skipped[0]
 
 
 def test_when_no_checkpoint_is_valid_nothing_is_loaded(tmp_path):
