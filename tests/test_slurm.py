@@ -26,7 +26,8 @@ def test_host_lists_expand_as_slurm_writes_them(text, hosts):
 
 @pytest.mark.parametrize("text", ["", "  ", "node[", "node[]", "n[3-1]", "n[a-b]", "a]b",
                                   "a,,b", "n[1-2", "n[[1]]", "x y", "n;rm -rf", "n[1-2]]",
-                                  "n[" + "9" * 5000 + "]"])
+                                  "n[" + "9" * 5000 + "]", "n[1]" * 2000, "n" + "[1]" * 500,
+                                  "n[１-３]", "n[٠١-٠٣]", "n[1-²]"])
 def test_a_malformed_host_list_is_refused(text):
     with pytest.raises(ValueError):
         expand_hostlist(text)
@@ -68,6 +69,9 @@ def test_nothing_to_translate(env):
     ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST"),
     ({"SLURM_JOB_NODELIST": "node[07-"}, "SLURM_JOB_NODELIST"),
     ({"SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID"),
+    ({"SLURM_NTASKS": "٢"}, "SLURM_NTASKS"),  # digits of other scripts
+    ({"SLURM_PROCID": "１"}, "SLURM_PROCID"),
+    ({"SLURM_JOB_NODELIST": "n[1]" * 2000}, "SLURM_JOB_NODELIST"),  # deeper than the stack
 ])
 def test_a_hostile_slurm_environment_is_one_line_naming_the_variable(change, named):
     with pytest.raises(ConfigError, match=named) as caught:

@@ -16,7 +16,8 @@ from train.errors import ConfigError
 
 MAX_HOSTS = 65536  # more than any cluster; a larger range is a malformed list
 _HOST = re.compile(r"[A-Za-z0-9._-]*")
-_RANGE = re.compile(r"(\d{1,9})(?:-(\d{1,9}))?")
+_RANGE = re.compile(r"([0-9]{1,9})(?:-([0-9]{1,9}))?")  # ASCII: \d takes "١" and "１"
+MAX_BRACKETS = 16  # per name; each is one level of `_hosts`' recursion
 PORT_BASE, PORT_SPAN = 15000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN
 
 
@@ -67,6 +68,8 @@ def _parse(pattern: str) -> Pattern:
         if not closing or not spec:
             raise ValueError("an empty or unclosed '[...]'")
         parsed.append(_spans(spec))
+        if len(parsed) > 2 * MAX_BRACKETS:
+            raise ValueError(f"a name holds more than {MAX_BRACKETS} '[...]'")
     if not parsed:
         raise ValueError("it holds an empty name")
     return parsed
@@ -113,7 +116,7 @@ def first_host(text: str) -> str:
 
 def _integer(env: Mapping[str, str], name: str, low: int = 0) -> int:
     value = env.get(name, "")
-    if not re.fullmatch(r"\d{1,9}", value.strip()) or int(value) < low:
+    if not re.fullmatch(r"[0-9]{1,9}", value.strip()) or int(value) < low:
         raise ConfigError(f"{name}={value[:40]!r} is not a whole number >= {low}: run the "
                           f"trainer under srun, which sets it, or under torchrun")
     return int(value)
