@@ -58,8 +58,10 @@ class Location:
 
 
 def _unescape(field: bytes) -> str:
-    # The kernel writes space, tab, newline and backslash in mount points as octal escapes.
-    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field))
+    # The kernel writes space, tab, newline and backslash in mount points as octal escapes;
+    # one over \377 is no byte: left as written.
+    return os.fsdecode(re.sub(rb"\\([0-3][0-7]{2})", lambda m: bytes([int(m.group(1), 8)]),
+                              field))
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def parse_mountinfo(text: bytes) -> List[Mount]:
         fields = line.split()
         if b"-" in fields[6:] and len(fields) > fields.index(b"-", 6) + 1:
             kind = fields[fields.index(b"-", 6) + 1]
-            mounts.append(Mount(fields[2].decode(), _unescape(fields[4]), os.fsdecode(kind)))
+            mounts.append(Mount(os.fsdecode(fields[2]), _unescape(fields[4]), os.fsdecode(kind)))
     return mounts
 
 

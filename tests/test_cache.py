@@ -232,6 +232,20 @@ def test_a_root_is_local_only_on_a_local_filesystem_by_its_device(tmp_path):
     assert locate(str(here), str(tmp_path / "absent")) == Location(False, "unknown")
 
 
+@pytest.mark.parametrize("odd", [b"20 1 0:5 / /mnt/a\\777b rw - nfs4 s rw",  # no such byte
+                                 b"20 1 0:5 / /mnt/a\\400 rw - nfs4 s rw",
+                                 b"20 1 \xff:\xfe / /mnt rw - nfs4 s rw",  # not UTF-8
+                                 b"20 1 0:5 / /mnt/\xff\\ rw - nfs4 s rw",
+                                 b"-", b"a b c d e f -", b"\x00" * 64, b""])
+def test_odd_mountinfo_lines_are_read_around(tmp_path, odd):
+    here = tmp_path / "data"
+    here.mkdir()
+    table = tmp_path / "mountinfo"
+    table.write_bytes(odd + b"\n" + Path(mountinfo(tmp_path, (device(here), "/", "xfs")))
+                      .read_bytes())
+    assert locate(str(here), str(table)) == Location(True, "xfs", "/")
+
+
 @pytest.mark.skipif(not os.path.ismount("/dev/shm"), reason="needs /dev/shm as a mount")
 def test_a_symlink_is_judged_by_the_filesystem_it_leads_to(tmp_path):
     target = Path(tempfile.mkdtemp(dir="/dev/shm"))
