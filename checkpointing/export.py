@@ -117,8 +117,20 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
     except (CheckpointException, UnsafeCheckpointError) as err:
         raise ExportError(f"loading {checkpoint_dir} failed: {str(err).splitlines()[0]}") \
             from None
-    card = json.loads(state.pop(CARD_KEY)) if CARD_KEY in state else None
+    card = card_of(state.pop(CARD_KEY), checkpoint_dir) if CARD_KEY in state else None
     return with_model_card({k[len(prefix):]: v for k, v in state.items()}, card)
+
+
+def card_of(text: Any, checkpoint_dir: Path) -> Dict[str, Any]:
+    """The model card a checkpoint records: a JSON object, or the checkpoint is refused."""
+    try:
+        card = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        card = None
+    if not isinstance(card, dict):
+        raise ExportError(f"{checkpoint_dir}'s model card ({CARD_KEY}) is not a JSON object: "
+                          f"not a checkpoint this trainer wrote")
+    return card
 
 
 def with_model_card(state: Dict[str, torch.Tensor],

@@ -189,3 +189,17 @@ def test_export_of_a_training_run_loads_into_torchvision(tmp_path, tiny_root):
     out = tmp_path / "model.safetensors"
     assert export.main([str(tmp_path / "r" / "checkpoints"), str(out)]) == 0
     assert torch.equal(logits(load_file(out)), logits(final))
+
+
+@pytest.mark.parametrize("card", ["{not json", "[" * 100_000, 12, "[1, 2]", '"x"', None])
+def test_a_model_card_that_is_not_a_json_object_is_refused_in_one_line(tmp_path, capsys,
+                                                                       card):
+    root = tmp_path / "checkpoints"
+    model = torchvision.models.get_model("resnet18", num_classes=10)
+    manager = CheckpointManager(CheckpointOptions(dir=str(root), async_mode="off"))
+    manager.save(1, {"model": ModelState(model), "run": {"config": {"model_card": card}}})
+    manager.close()
+    assert export.main([str(root), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "model card" in err and err.count("\n") == 1
+    assert not (tmp_path / "out.pt").exists()
