@@ -202,3 +202,120 @@ def test_a_sweep_whose_store_cannot_be_used_warns_and_its_jobs_log_alone(
     assert any("no parent run for this sweep" in r.getMessage() for r in caplog.records)
     SweepRun().on_multirun_end(config)  # nothing to end, nothing raised
     assert current_sweep_job() is None  # and outside a Hydra multirun there is none anyway
+
+
+def other_experiment_s_run(client) -> str:
+    return client.create_run(open_experiment(client, "another-experiment")).info.run_id
+
+
+def deleted_run(client) -> str:
+    run_id = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
+    client.delete_run(run_id)
+    return run_id
+
+
+@pytest.mark.parametrize("parent", [
+    "garbage!", "x' OR 1=1 --", "a" * 9000, "ab\ncd", "0" * 32, other_experiment_s_run,
+    deleted_run], ids=["garbage", "quote", "huge", "newline", "no-such-run", "other-experiment",
+                       "deleted"])
+def test_a_sweep_parent_that_is_no_live_run_here_is_one_warning_and_the_job_logs_alone(
+        store_uri: str, parent, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """GOODPUT_SWEEP_PARENT_RUN_ID left in a shell, or mistyped: the job still logs all it has,
+    as a run of its own, not as the child of a run that is not there (or is another's)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store_uri)
+    parent = parent(client) if callable(parent) else parent
+    monkeypatch.setattr(tracking, "current_sweep_job", lambda: SweepJob(parent, 0, ["a=1"]))
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
+    with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
+        tracker.log_metrics({"val/top1": 0.5}, step=1)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno >= logging.WARNING and r.name.startswith("train")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{PARENT_ENV}="), warnings
+    assert "\n" not in warnings[0] and len(warnings[0]) < 600, warnings[0]
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics == {"val/top1": 0.5}
+    assert "mlflow.parentRunId" not in run.data.tags and "sweep.id" not in run.data.tags
+
+
+def test_a_live_sweep_parent_gets_the_job_as_its_child(store_uri: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store_uri)
+    parent = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
+    monkeypatch.setattr(tracking, "current_sweep_job", lambda: SweepJob(parent, 0, ["a=1"]))
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
+    with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
+        tracker.log_metrics({"val/top1": 0.5}, step=1)
+    assert client.get_run(run_id).data.tags["mlflow.parentRunId"] == parent
+    assert client.get_run(parent).data.metrics["best/val/top1"] == 0.5
+
+
+@pytest.mark.parametrize("failing", ["set_experiment", "start_run", "log_params", "log_text"])
+def test_a_start_that_fails_halfway_leaves_the_next_job_of_the_process_its_run(
+        store_uri: str, failing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The basic launcher runs a sweep's jobs in one process: a run left active by one job's
+    failed start made every later job's start fail too ("already active"), logging nothing."""
+    from mlflow.tracking import MlflowClient
+
+    def fails(*args, **kwargs):
+        raise OSError("disk I/O error")
+
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
+    with monkeypatch.context() as patch:
+        patch.setattr(tracker.mlflow, failing, fails)
+        with tracker.run("first", OmegaConf.create({"a": 1})) as first:
+            assert first is None
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
+    with tracker.run("next", OmegaConf.create({"a": 1})) as run_id:
+        tracker.log_metrics({"train/loss": 1.0}, step=1)
+    assert run_id is not None
+    assert MlflowClient(tracking_uri=store_uri).get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.parametrize("dies_at", ["client", "get_run", "set_terminated"])
+def test_a_store_that_died_mid_sweep_is_asked_briefly_at_the_sweep_s_end(
+        dies_at: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """The sweep's own process never ran a job's tracker (joblib, submitit): without the start
+    check's settings MLflow retried a dead server for minutes before the sweep could end."""
+    seen = []
+
+    class DeadStore:
+        def __getattr__(self, name):
+            seen.append({k: os.environ.get(k) for k in tracking.CHECK_HTTP_SETTINGS})
+            if name == dies_at:
+                raise ConnectionError("connection refused")
+            return lambda *args, **kwargs: (
+                OmegaConf.create({"info": {"experiment_id": "1"}}) if name == "get_run" else [])
+
+    def client(uri):
+        if dies_at == "client":
+            seen.append({k: os.environ.get(k) for k in tracking.CHECK_HTTP_SETTINGS})
+            raise ConnectionError("connection refused")
+        return DeadStore()
+
+    monkeypatch.setattr("train.sweep_tracking.mlflow_client", client)
+    monkeypatch.setenv(PARENT_ENV, "0" * 32)
+    config = OmegaConf.create({"logger": {"name": "mlflow", "tracking_uri": "http://h"},
+                               "sweep": {"objective": "val/top1", "direction": "maximize"}})
+    SweepRun().on_multirun_end(config)
+    assert seen and all(s == tracking.CHECK_HTTP_SETTINGS for s in seen), seen
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "was not completed" in warnings[0], warnings
+    assert PARENT_ENV not in os.environ
+    assert all(os.environ.get(k) is None for k in tracking.CHECK_HTTP_SETTINGS)
+
+
+@pytest.mark.parametrize("logger", ["none", "mlflow"])
+def test_a_parent_id_left_in_the_shell_is_not_the_new_sweep_s(
+        logger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a_file").write_text("not a folder")
+    monkeypatch.setenv(PARENT_ENV, "0" * 32)
+    config = OmegaConf.create({"logger": {"name": logger, "experiment_name": "e",
+                                          "tracking_uri": f"sqlite:///{tmp_path}/a_file/m.db"},
+                               "sweep": {"objective": "val/top1", "direction": "maximize"}})
+    SweepRun().on_multirun_start(config)
+    assert PARENT_ENV not in os.environ

@@ -79,6 +79,8 @@ class SweepRun(Callback):
     """The sweep's parent run: created before the first job, ended after the last."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # One left in the shell (an export, an outer sweep) is not this sweep's parent.
+        os.environ.pop(PARENT_ENV, None)
         if value_of(OmegaConf.select(config, "logger.name")) != "mlflow":
             return
         try:
@@ -93,10 +95,11 @@ class SweepRun(Callback):
         if parent is None:
             return
         try:
-            client = mlflow_client(config.logger.tracking_uri)
-            record_best(client, parent, config.sweep.objective,
-                        value_of(config.sweep.direction))
-            client.set_terminated(parent, "FINISHED")
+            with environment(CHECK_HTTP_SETTINGS):  # a store that died mid-sweep: seconds
+                client = mlflow_client(config.logger.tracking_uri)
+                record_best(client, parent, config.sweep.objective,
+                            value_of(config.sweep.direction))
+                client.set_terminated(parent, "FINISHED")
         except Exception as err:
             log.warning("MLflow: the sweep's parent run %s was not completed (%s)", parent,
                         one_line(err))
@@ -117,6 +120,20 @@ def create_parent_run(config: DictConfig) -> str:
     client.set_tag(run.info.run_id, "sweep.id", run.info.run_id)
     log.info("MLflow: sweep parent run %s (%s)", run.info.run_name, run.info.run_id)
     return run.info.run_id
+
+
+def parent_problem(client: Any, parent_run_id: str, experiment_id: str) -> Optional[str]:
+    """Why `parent_run_id` cannot be the parent of a run of `experiment_id`, or None."""
+    try:
+        parent = client.get_run(parent_run_id)
+    except Exception as err:  # garbage, or no such run: MLflow says which
+        return one_line(err)
+    if parent.info.experiment_id != experiment_id:
+        return (f"it is a run of experiment {parent.info.experiment_id}, not of this run's "
+                f"({experiment_id})")
+    if parent.info.lifecycle_stage != "active":
+        return "it was deleted"
+    return None
 
 
 def record_best(client: Any, parent_run_id: str, objective: str, direction: str) -> None:

@@ -21,8 +21,9 @@ from train.distributed import World
 from train.errors import ConfigError
 from train.preemption import Preempted
 from train.sweep_tracking import (CHECK_HTTP_SETTINGS, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT,
-                                  current_sweep_job, environment, one_line, record_best,
-                                  sqlite_creation_lock, value_of)
+                                  PARENT_ENV, SweepJob, current_sweep_job, environment,
+                                  one_line, parent_problem, record_best, sqlite_creation_lock,
+                                  value_of)
 
 log = logging.getLogger(__name__)
 MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params
@@ -111,6 +112,7 @@ class MLflowTracker:
         self.uri = strip_credentials(mlflow.get_tracking_uri())
         self.client: Any = None  # made once the store is known to open (check or run)
         self.run_id: Optional[str] = None
+        self.sweep: Optional[SweepJob] = None  # set when the run starts under a live parent
         self.pending: Deque[Any] = deque()  # mlflow.entities.Metric, oldest first
         self.dropped = 0
         self.retry_at: Optional[float] = None  # set while the store is failing
@@ -152,6 +154,7 @@ class MLflowTracker:
         except Exception as err:  # the store failed after the start check: train anyway
             log.warning("MLflow store %s failed when starting the run (%s): training goes on "
                         "and this process logs no metrics", self.uri, one_line(err))
+            self._end_half_started_run()
             yield resume_run_id
             return
         status = "FAILED"
@@ -172,9 +175,17 @@ class MLflowTracker:
                             "RUNNING there", self.uri, self.run_id, one_line(err))
             self._record_sweep_best(config)
 
+    def _end_half_started_run(self) -> None:
+        """A run the failed start left active would refuse the next job's start in this
+        process (the basic launcher runs a sweep's jobs in one process)."""
+        try:
+            self.mlflow.end_run("FAILED")  # drops the active run before it tells the store
+        except Exception:  # the store that failed the start: the run stays RUNNING there
+            pass
+
     def _record_sweep_best(self, config: DictConfig) -> None:
         """The sweep's parent shows the best job so far (the sweep's end records it again)."""
-        job = current_sweep_job()
+        job = self.sweep
         if job is None:
             return
         try:
@@ -188,14 +199,14 @@ class MLflowTracker:
 
     def _start(self, run_name: str, config: DictConfig, resume_run_id: Optional[str]) -> str:
         mlflow = self.mlflow
-        mlflow.set_experiment(self.experiment_name)
+        experiment = mlflow.set_experiment(self.experiment_name)
         self.client = mlflow.tracking.MlflowClient()
         params = mlflow_params(config)
         if resume_run_id and not self._exists(resume_run_id):
             log.warning("MLflow run %s is not in %s: starting a new one", resume_run_id,
                         self.uri)
             resume_run_id = None
-        sweep = current_sweep_job()
+        sweep = self.sweep = self._sweep_job(experiment.experiment_id)
         active = mlflow.start_run(run_id=resume_run_id,
                                   run_name=None if resume_run_id else run_name,
                                   log_system_metrics=self.cfg.system_metrics)
@@ -213,6 +224,19 @@ class MLflowTracker:
             mlflow.log_text(strip_credentials(OmegaConf.to_yaml(config, resolve=True)),
                             "config.yaml")
         return active.info.run_id
+
+    def _sweep_job(self, experiment_id: str) -> Optional[SweepJob]:
+        """This process's sweep job, if its parent is a live run of this experiment; else one
+        warning, and the job logs a run of its own."""
+        job = current_sweep_job()
+        problem = job and parent_problem(self.client, job.parent_run_id, experiment_id)
+        if not problem:
+            return job
+        shown = ascii(job.parent_run_id[:40]) + ("..." if len(job.parent_run_id) > 40 else "")
+        log.warning("%s=%s is no parent run in %s (%s): this job logs a run of its own (only "
+                    "a sweep sets it: unset it in the shell)", PARENT_ENV, shown, self.uri,
+                    problem)
+        return None
 
     def _exists(self, run_id: str) -> bool:
         try:
