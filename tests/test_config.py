@@ -208,6 +208,19 @@ def test_every_local_directory_key_refuses_a_url():
             validate(changed)
 
 
+@pytest.mark.parametrize("empty", ["", " ", "\t"])
+def test_every_local_directory_key_refuses_an_empty_path(empty):
+    """Path("") is the working directory: an empty data.cache_dir filled the directory the
+    run started in (a checkout) with objects/, locks/, index/ and the ledger."""
+    keys = [key for key, spec, _ in schema_fields() if spec.metadata.get("local_dir")]
+    cfg = compose_config(["+experiment=resnet"])
+    for key in keys:
+        changed = copy.deepcopy(cfg)
+        OmegaConf.update(changed, key, empty)
+        with pytest.raises(ConfigError, match=f"^{re.escape(key)}=.* is empty: give a "):
+            validate(changed)
+
+
 def test_a_url_as_cache_dir_is_one_line_and_exit_2_and_creates_nothing(tmp_path):
     result = run_train(["+experiment=resnet", "data.cache_dir=http://u:s3cret@127.0.0.1:9/c",
                         "logger=none", "trainer.device=cpu"], cwd=tmp_path)

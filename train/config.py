@@ -165,6 +165,10 @@ def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -
         if spec.metadata.get("local_dir") and "://" in str(cfg[spec.name] or ""):
             raise ConfigError(f"{key}={strip_credentials(str(cfg[spec.name]))} is a URL: it "
                               f"must be a directory on this node's local disk (or null)")
+        if spec.metadata.get("local_dir") and str(cfg[spec.name]).strip() == "":
+            # Path("") is the working directory: the cache or staging files would land there
+            raise ConfigError(f"{key}={ascii(str(cfg[spec.name]))} is empty: give a directory "
+                              f"on this node's local disk, or null for none")
         problem = spec.metadata.get("dir_name") and _dir_name_problem(cfg[spec.name])
         if problem:
             raise ConfigError(f"{key}={ascii(strip_credentials(str(cfg[spec.name]))[:80])} "
