@@ -84,6 +84,17 @@ class NodeCache:
         for sub in ("objects", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.reconcile()
+        self._warn_if_over_budget()
+
+    def _warn_if_over_budget(self) -> None:
+        """Runs sharing the directory with a larger budget filled it: this one's fills
+        will evict down to its own budget, the others' files too, and they fetch them again."""
+        usage = self.usage_bytes()
+        if usage > self.limit_bytes:
+            log.warning("cache %s holds %.3g GB, over this run's data.cache_limit_gb=%.3g: its "
+                        "fills evict least-recently-used files (other runs' too) down to that; "
+                        "give runs that share a cache directory the same data.cache_limit_gb",
+                        self.root, usage / 1e9, self.limit_bytes / 1e9)
 
     def __getstate__(self) -> dict:
         return {"root": self.root, "limit_bytes": self.limit_bytes, "_warned": set()}

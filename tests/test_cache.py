@@ -314,3 +314,20 @@ def test_two_stores_with_the_same_paths_never_share_a_cache_entry_or_an_index(ti
             assert bytes(remote.read_bytes(i)[0]) == flipped[name]
     finally:
         memory.rm(str(tiny_root), recursive=True)
+
+
+@pytest.mark.parametrize("smaller", [10 ** 3, 4 * 10 ** 3])
+def test_a_run_whose_budget_is_below_what_the_shared_cache_holds_says_so_once(
+        tmp_path, caplog, smaller):
+    """Runs share the node's cache directory; one with a smaller data.cache_limit_gb evicts
+    the others' files down to its own budget, so they fetch them again: a warning line."""
+    big = NodeCache(tmp_path / "c", 10 ** 6)
+    for i in range(5):
+        big.get(f"{i:02d}" * 20, lambda: b"x" * 1000)
+    with caplog.at_level(logging.WARNING, logger="data.cache"):
+        NodeCache(tmp_path / "c", 10 ** 6)  # the same budget: nothing to say
+        assert not caplog.records
+        NodeCache(tmp_path / "c", smaller)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "over this run's data.cache_limit_gb" in lines[0], lines
+    assert "same data.cache_limit_gb" in lines[0]
