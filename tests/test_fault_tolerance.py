@@ -13,6 +13,7 @@ import random
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +149,14 @@ def test_nan_rolls_back_sharded_state_too(tiny_root, tmp_path):
                if k.startswith(("model.", "optim.")) and isinstance(v, torch.Tensor))
 
 
+def alive(pid: int) -> bool:
+    """Running or stopped; not gone, and not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
 def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, ddp_reference):
     """A real SIGSTOP of rank 1: rank 0's collective times out after
     strategy.timeout_seconds, torchrun replaces the group, the run ends bit-identical."""
@@ -158,10 +167,15 @@ def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, ddp_r
         # After a commit: a group frozen before its first one restarts from scratch.
         wait_for(lambda: steps_done(ledger) >= 3 and commit.committed_steps(watch.store),
                  "3 steps and a checkpoint", proc=proc)
-        frozen = worker_pids(tmp_path)[1]
+        pids = worker_pids(tmp_path)
+        frozen = pids[1]
         os.kill(frozen, signal.SIGSTOP)
         since = time.time()
         try:
+            wait_for(lambda: not alive(pids[0]), "rank 0 to time out", timeout=120, proc=proc)
+            # Caught: from here torchrun's SIGTERM to the stopped rank would only wait out
+            # its fixed 30 s grace before the SIGKILL; let the rank take the SIGTERM.
+            os.kill(frozen, signal.SIGCONT)
             wait_for(lambda: steps_done(ledger, since) >= 1, "the replaced group's first step",
                      timeout=180, proc=proc)
             report("SIGSTOP rank 1", first_step_after(ledger, since))
