@@ -130,7 +130,8 @@ def just_outside(bounds: Bounds, integer: bool) -> list:
     step = 1 if integer else 1e-6
     return ([bounds.ge - step] if bounds.ge is not None else []) + (
         [bounds.gt] if bounds.gt is not None else []) + (
-        [bounds.le + step] if bounds.le is not None else []) + (
+        [bounds.le + (step if integer else max(step, abs(bounds.le) * 1e-9))]
+        if bounds.le is not None else []) + (
         [bounds.lt] if bounds.lt is not None else [])
 
 
@@ -251,3 +252,53 @@ def test_a_run_name_that_is_not_one_directory_is_refused(name):
         validate(cfg)
     cfg.run.name = "resnet-optim.lr=0.1"
     validate(cfg)
+
+
+@pytest.mark.parametrize("key", [
+    "strategy.timeout_seconds", "strategy.init_timeout_seconds",
+    "strategy.fault_tolerance.quorum_timeout_seconds",
+    "strategy.fault_tolerance.timeout_seconds",
+    "strategy.fault_tolerance.connect_timeout_seconds", "health.hang_seconds",
+    "checkpoint.commit_timeout_s", "checkpoint.mtbf_hours", "checkpoint.restart_seconds"])
+@pytest.mark.parametrize("huge", [1e12 + 1, 1e300, 1.7e308])
+def test_a_huge_timeout_or_failure_time_is_refused_at_start(key, huge):
+    """Finite but absurd: a timeout of 1e300 s overflowed timedelta and torchft's client (a
+    traceback, exit 1), a huge torchft connect timeout ignored SIGTERM, an mtbf_hours of
+    1.7e308 is infinite in seconds and crashed checkpoint.auto_interval at the first save."""
+    cfg = compose_config(["+experiment=resnet", "strategy=ddp_ft"])
+    OmegaConf.update(cfg, key, huge)
+    with pytest.raises(ConfigError, match=f"^{re.escape(key)}=.* is out of range: it must be "
+                                          f".*<= "):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("lighthouse", ["garbage", "", " ", "127.0.0.1:29510", "ftp://h:1",
+                                        "http://", "http://h:1/path", "http://h:123456",
+                                        "http://u:s3cret@h:1", "http://h:1\nx"])
+def test_a_lighthouse_that_is_not_an_http_url_is_refused_at_start(lighthouse):
+    """torchft's client took these and failed later as if the lighthouse were down (exit 1,
+    retried), or named its own environment variable ('' -> 'TORCHFT_LIGHTHOUSE')."""
+    cfg = compose_config(["+experiment=resnet", "strategy=ddp_ft"])
+    cfg.strategy.fault_tolerance.lighthouse = lighthouse
+    with pytest.raises(ConfigError, match="^strategy.fault_tolerance.lighthouse=.* is not an "
+                                          "http URL: give the server as http://HOST:PORT$") as err:
+        validate(cfg)
+    assert "s3cret" not in str(err.value) and "\n" not in str(err.value)
+    for good in ("http://127.0.0.1:29510", "https://lighthouse.example:443/", "http://[::1]:1",
+                 "http://lh"):
+        cfg.strategy.fault_tolerance.lighthouse = good
+        validate(cfg)
+
+
+@pytest.mark.parametrize("min_replicas, groups", [(3, 2), (2, 1), (100, 8)])
+def test_ddp_ft_refuses_a_quorum_above_the_planned_width(min_replicas, groups):
+    from train.ft import check_plan
+
+    cfg = compose_config(["+experiment=resnet", "strategy=ddp_ft",
+                          f"strategy.fault_tolerance.min_replicas={min_replicas}",
+                          f"strategy.fault_tolerance.replica_groups={groups}"])
+    with pytest.raises(ConfigError, match="min_replicas=.* is above replica_groups=.*: no step "
+                                          "could commit"):
+        check_plan(1, cfg.strategy.fault_tolerance)
+    cfg.strategy.fault_tolerance.min_replicas = groups
+    check_plan(1, cfg.strategy.fault_tolerance)

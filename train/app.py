@@ -141,7 +141,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     train_set, val_set = build_datasets(cfg.data, cfg.seed)
     in_band = cfg.strategy.name == StrategyName.ddp_ft
     if in_band:
-        check_plan(cfg.trainer.grad_accum_steps)
+        check_plan(cfg.trainer.grad_accum_steps, cfg.strategy.fault_tolerance)
     # ddp_ft splits each global batch among the step's participants, whatever their number
     batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size,
                            1 if in_band else world.world_size, cfg.trainer.grad_accum_steps)

@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from checkpointing.plan import LARGEST as PLAN_LARGEST
 from data.cache import default_cache_dir
 from data.errors import OnBadFile
 from data.locality import CacheUse
@@ -84,6 +85,9 @@ class Direction(str, Enum):
 
 
 SEED_MAX = 2**32 - 1  # numpy's seeds are 32-bit
+# Far above any sane wait, far below where a timeout overflows (timedelta, faulthandler,
+# torchft's client: 1e300 crashed, and a huge connect timeout ignored SIGTERM in torchft)
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,14 @@ def dir_name(default: str) -> Any:
     return field(default=default, metadata={"dir_name": True})
 
 
+def http_url(default: str) -> Any:
+    """A schema field naming a server by its http(s) URL: `validate` refuses anything else
+    (torchft's client took `garbage` or '' and failed later, as if the server were down)."""
+    return field(default=default, metadata={"http_url": True})
+
+
+HTTP_URL = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[^/\s:\[\]@]+)(:\d{1,5})?/?")
+
 MAX_DIR_NAME = 200  # file systems allow 255 bytes; leave room for a suffix
 
 
@@ -169,6 +181,9 @@ def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -
             # Path("") is the working directory: the cache or staging files would land there
             raise ConfigError(f"{key}={ascii(str(cfg[spec.name]))} is empty: give a directory "
                               f"on this node's local disk, or null for none")
+        if spec.metadata.get("http_url") and not HTTP_URL.fullmatch(str(cfg[spec.name])):
+            raise ConfigError(f"{key}={ascii(strip_credentials(str(cfg[spec.name]))[:80])} is "
+                              f"not an http URL: give the server as http://HOST:PORT")
         problem = spec.metadata.get("dir_name") and _dir_name_problem(cfg[spec.name])
         if problem:
             raise ConfigError(f"{key}={ascii(strip_credentials(str(cfg[spec.name]))[:80])} "
@@ -283,7 +298,7 @@ class FaultToleranceConfig:
     """strategy=ddp_ft: this replica group's place under the torchft lighthouse."""
 
     # The lighthouse every replica group reports to (torchft_lighthouse --bind ...)
-    lighthouse: str = "http://127.0.0.1:29510"
+    lighthouse: str = http_url("http://127.0.0.1:29510")
     # This group's id, 0..replica_groups-1: names its run and checkpoint subdirectories
     replica_id: int = bounded(0, ge=0)
     # The width the job is meant to run at: fewer participants count as degraded time
@@ -291,10 +306,11 @@ class FaultToleranceConfig:
     # Below this many participating groups a step does not commit (it waits and is redone)
     min_replicas: int = bounded(1, ge=1)
     # A quorum (and a first join, while peers start) gives up after this long
-    quorum_timeout_seconds: float = bounded(60.0, gt=0)
+    quorum_timeout_seconds: float = bounded(60.0, gt=0, le=MAX_TIMEOUT_SECONDS)
     # Cross-group collectives and the copy of a healthy peer's state when rejoining
-    timeout_seconds: float = bounded(30.0, gt=0)
-    connect_timeout_seconds: float = bounded(10.0, gt=0)  # to the lighthouse and the peers
+    timeout_seconds: float = bounded(30.0, gt=0, le=MAX_TIMEOUT_SECONDS)
+    # To the lighthouse and the peers
+    connect_timeout_seconds: float = bounded(10.0, gt=0, le=MAX_TIMEOUT_SECONDS)
 
 
 @dataclass
@@ -311,10 +327,10 @@ class StrategyConfig:
     fsdp_reshard_after_forward: bool = True
     # Every collective gives up after this long (never torch's 30-minute default): a dead or
     # frozen peer fails the group, and torchrun restarts it.
-    timeout_seconds: float = bounded(300.0, gt=0)
+    timeout_seconds: float = bounded(300.0, gt=0, le=MAX_TIMEOUT_SECONDS)
     # Joining the group: peers may still be starting (importing torch, loading data), so
     # this is longer; a rank that never shows up still fails the round after it.
-    init_timeout_seconds: float = bounded(600.0, gt=0)
+    init_timeout_seconds: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_SECONDS)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
@@ -368,14 +384,17 @@ class CheckpointConfig:
     # Re-pick the interval after each save: the exact failure model's optimum
     # (checkpointing.plan) for the measured stall and step time, and mtbf_hours.
     auto_interval: bool = False
-    mtbf_hours: float = bounded(4.0, gt=0)  # mean time between failures of the whole job
+    # Mean time between failures of the whole job; at most the planner's largest input (an
+    # mtbf_hours of 1e308 is infinite in seconds and crashed the run at its first save)
+    mtbf_hours: float = bounded(4.0, gt=0, le=PLAN_LARGEST / 3600)
     # From a failure to training again, until a resume measures it: auto_interval's log
     # predicts goodput with it (the interval itself does not depend on it).
-    restart_seconds: float = bounded(60.0, gt=0)
+    restart_seconds: float = bounded(60.0, gt=0, le=PLAN_LARGEST)
     keep_last: int = bounded(3, ge=1)
     async_mode: AsyncMode = AsyncMode.thread
     resume: ResumeMode = ResumeMode.auto
-    commit_timeout_s: float = bounded(600.0, gt=0)  # rank 0 waits this long for every rank's marker
+    # Rank 0 waits this long for every rank's marker
+    commit_timeout_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_SECONDS)
 
 
 @dataclass
@@ -411,7 +430,7 @@ class HealthConfig:
     # DDP: compare a parameter checksum across ranks; 0 = off
     replica_check_steps: int = bounded(100, ge=0)
     # A rank with no progress for this long dumps stacks and exits; 0 = no watchdog.
-    hang_seconds: float = bounded(600.0, ge=0)
+    hang_seconds: float = bounded(600.0, ge=0, le=MAX_TIMEOUT_SECONDS)
     preflight: bool = True  # check the device and the collectives before training
 
 

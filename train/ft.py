@@ -324,9 +324,13 @@ def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
             f"--bind HOST:PORT) or point strategy.fault_tolerance.lighthouse at it") from None
 
 
-def check_plan(grad_accum_steps: int) -> None:
+def check_plan(grad_accum_steps: int, cfg: FaultToleranceConfig) -> None:
     """ddp_ft's split is per step, not per micro-batch: the sample weighting is exact only
-    with one micro-batch per step."""
+    with one micro-batch per step. And a quorum must be reachable at the planned width."""
+    if cfg.min_replicas > cfg.replica_groups:  # no step would commit: each waits, times out
+        raise ConfigError(f"strategy.fault_tolerance.min_replicas={cfg.min_replicas} is above "
+                          f"replica_groups={cfg.replica_groups}: no step could commit; set "
+                          f"min_replicas <= replica_groups")
     if grad_accum_steps != 1:
         raise ConfigError(f"strategy=ddp_ft needs trainer.grad_accum_steps=1 (got "
                           f"{grad_accum_steps}): spread the batch over more groups or ranks instead, "
