@@ -210,10 +210,13 @@ def test_every_local_directory_key_refuses_a_url():
 
 
 @pytest.mark.parametrize("empty", ["", " ", "\t"])
-def test_every_local_directory_key_refuses_an_empty_path(empty):
+def test_every_directory_key_refuses_an_empty_path(empty):
     """Path("") is the working directory: an empty data.cache_dir filled the directory the
-    run started in (a checkout) with objects/, locks/, index/ and the ledger."""
-    keys = [key for key, spec, _ in schema_fields() if spec.metadata.get("local_dir")]
+    run started in (a checkout) with objects/, locks/, index/ and the ledger; an empty
+    run.root or checkpoint.dir put the run there."""
+    keys = [key for key, spec, _ in schema_fields()
+            if spec.metadata.get("local_dir") or spec.metadata.get("place")]
+    assert {"run.root", "checkpoint.dir", "data.root", "data.cache_dir"} <= set(keys)
     cfg = compose_config(["+experiment=resnet"])
     for key in keys:
         changed = copy.deepcopy(cfg)

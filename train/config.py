@@ -132,6 +132,13 @@ def local_dir(default: Optional[str]) -> Any:
     return field(default=default, metadata={"local_dir": True})
 
 
+def place(default: str) -> Any:
+    """A schema field naming a directory or a URL the run reads or writes (run.root,
+    checkpoint.dir, data.root): `validate` refuses an empty one, which would be the working
+    directory (outputs, checkpoints or the dataset index landing in a checkout)."""
+    return field(default=default, metadata={"place": True})
+
+
 def dir_name(default: str) -> Any:
     """A schema field naming one directory inside another (the run inside `run.root`):
     `validate` refuses a value that would land elsewhere (`..`, a `/`) or in the parent
@@ -181,6 +188,9 @@ def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -
             # Path("") is the working directory: the cache or staging files would land there
             raise ConfigError(f"{key}={ascii(str(cfg[spec.name]))} is empty: give a directory "
                               f"on this node's local disk, or null for none")
+        if spec.metadata.get("place") and str(cfg[spec.name]).strip() == "":
+            raise ConfigError(f"{key}={ascii(str(cfg[spec.name]))} is empty: name a directory "
+                              f"(. for the working directory)")
         if spec.metadata.get("http_url") and not HTTP_URL.fullmatch(str(cfg[spec.name])):
             raise ConfigError(f"{key}={ascii(strip_credentials(str(cfg[spec.name]))[:80])} is "
                               f"not an http URL: give the server as http://HOST:PORT")
@@ -233,7 +243,7 @@ DEFAULT_RUN_NAME_EXCLUDES = [
 class RunConfig:
     # The run's identity: the same name lands in the same output directory (and resumes).
     name: str = dir_name("${goodput.run_name:}")
-    root: str = "outputs"
+    root: str = place("outputs")
     exclude_keys: List[str] = field(default_factory=lambda: list(DEFAULT_RUN_NAME_EXCLUDES))
 
 
@@ -259,7 +269,7 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    root: str = "${.synthetic.dir}"  # a folder (mounted volume) or an fsspec URL
+    root: str = place("${.synthetic.dir}")  # a folder (mounted volume) or an fsspec URL
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # The node cache on local disk, shared by all ranks, workers and runs of a node (default
     # $XDG_CACHE_HOME/goodput-trainer or ~/.cache/goodput-trainer); null = none.
@@ -376,7 +386,7 @@ class TrainerConfig:
 class CheckpointConfig:
     enabled: bool = True
     # The durable tier: a mounted path or an fsspec URL. Default: inside the run directory.
-    dir: str = "${run.root}/${run.name}/checkpoints"
+    dir: str = place("${run.root}/${run.name}/checkpoints")
     # The fast local tier (NVMe): DCP writes here, a background upload copies to `dir`.
     # null = write straight to `dir` (right when `dir` is itself a local disk).
     staging_dir: Optional[str] = local_dir(None)
