@@ -74,3 +74,14 @@ def sha256_of(f: BinaryIO) -> str:
     while chunk := f.read(CHUNK):
         digest.update(chunk)
     return digest.hexdigest()
+
+
+def ends_torn(path: PathLike) -> bool:
+    """Whether the non-empty file `path` ends inside a line (an append cut short, e.g. by a
+    full disk): the next appended line must then start with a newline of its own."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"

@@ -24,13 +24,15 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch.distributed as dist
 
+from common.files import ends_torn
+
 
 class LedgerWriter:
     def __init__(self, path: Path, rank: int, world_size: int = 1) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size = rank, world_size
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if _ends_torn(Path(path)):
+        if ends_torn(Path(path)):
             # End a crashed run's torn line, so our first record starts a line of its own
             # (racing ranks may add a blank line or two; readers skip them).
             os.write(self._fd, b"\n")
@@ -61,15 +63,6 @@ class LedgerWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _ends_torn(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() == 0:
-            return False
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
 
 
 def open_ledger(path: Optional[str], rank: Optional[int] = None) -> Optional[LedgerWriter]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from common.files import ends_torn
 from data.redact import strip_credentials
 from train.preemption import Preempted
 
@@ -73,7 +74,7 @@ class Timeline:
                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if _ends_torn(path):  # a line cut short by a full disk: ours starts a line of its own
+        if ends_torn(path):  # a line cut short by a full disk: ours starts a line of its own
             self._append(b"\n")
 
     def record(self, kind: str, at: Optional[float] = None, **fields: Any) -> None:
@@ -98,15 +99,6 @@ class Timeline:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _ends_torn(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() == 0:
-            return False
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
 
 
 _timeline: Optional[Timeline] = None
