@@ -90,9 +90,6 @@ class Store:
 
         return _retrying(read)
 
-    def sha256(self, path: str) -> str:
-        return self.checksum(path, "sha256")
-
     def read_bytes(self, path: str) -> bytes:
         return _retrying(lambda: self.fs.cat_file(path))
 

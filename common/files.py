@@ -1,4 +1,4 @@
-"""Writing a file whole or not at all, durably, and hashing one.
+"""Writing a file whole or not at all, durably, and appending to one safely.
 
 One durability rule for every file the trainer replaces: the new content goes to a temp
 file in the same directory (so the rename cannot cross filesystems), which is fsynced, then
@@ -8,7 +8,6 @@ power loss. A reader sees the old content or the new, never half of it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from contextlib import contextmanager
@@ -66,14 +65,6 @@ def atomic_write(path: PathLike, data: bytes) -> None:
     """Replace `path`'s content with `data`, whole or not at all (`atomic_file`)."""
     with atomic_file(path) as f:
         f.write(data)
-
-
-def sha256_of(f: BinaryIO) -> str:
-    """The hex sha256 of what is left to read in `f`, read in chunks."""
-    digest = hashlib.sha256()
-    while chunk := f.read(CHUNK):
-        digest.update(chunk)
-    return digest.hexdigest()
 
 
 def ends_torn(path: PathLike) -> bool:

@@ -112,7 +112,7 @@ class Payload:
 def rewrite_marker(step_dir: Path) -> None:
     """Re-sign the files as the attacker would, so only the safe loader stands in the way."""
     store = Store(str(step_dir.parent))
-    files = {p.name: commit.FileRecord(p.stat().st_size, store.sha256(str(p)))
+    files = {p.name: commit.FileRecord(p.stat().st_size, store.checksum(str(p), "sha256"))
              for p in step_dir.iterdir() if p.name != "commit_rank_0.json"}
     commit.write_marker(store, step_dir.name, int(step_dir.name[5:]), 0, 1, files)
 
