@@ -75,11 +75,14 @@ class Incomplete(Exception):
     """Why a checkpoint directory is not complete (one line)."""
 
 
-def verify(store: Store, directory: str, step: int, checksums: bool = True) -> int:
+def verify(store: Store, directory: str, step: int, read_contents: bool = True) -> int:
     """Raise `Incomplete` unless `directory` is a complete checkpoint of `step`.
 
-    Returns the world size it was saved at. With `checksums=False` only presence and sizes
-    are checked (for a second copy of a checkpoint that was already fully verified).
+    Returns the world size it was saved at. With `read_contents=False` only the markers and
+    the presence and sizes of the files they list are checked, and no other file is read:
+    for what this job has just written, whose checksums came from the bytes on their way to
+    the files and whose `.metadata` it wrote itself (unpickling it safely costs about a
+    quarter of a second for ResNet-50's state).
     """
     names = set(store.listdir(store.path(directory)))
     if METADATA_FILE not in names:
@@ -126,8 +129,10 @@ def verify(store: Store, directory: str, step: int, checksums: bool = True) -> i
         size = store.size(path)
         if size != record.size:
             raise Incomplete(f"{name} is {size} bytes, its marker says {record.size}")
-        if checksums and store.checksum(path, record.algorithm) != record.checksum:
+        if read_contents and store.checksum(path, record.algorithm) != record.checksum:
             raise Incomplete(f"{name} does not match its checksum (altered or swapped)")
+    if not read_contents:
+        return world_size
     try:
         with store.fs.open(store.path(directory, METADATA_FILE), "rb") as f:
             metadata = load_metadata(f)

@@ -280,7 +280,7 @@ class CheckpointManager:
         that incomplete copy)."""
         store = self.local or self.remote
         try:
-            commit.verify(store, commit.step_dir_name(step), step, checksums=False)
+            commit.verify(store, commit.step_dir_name(step), step, read_contents=False)
         except commit.Incomplete:
             return
         self._verified.add((store.url, step))

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pathlib
 import pickle
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Dict, List
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
@@ -34,7 +36,10 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                      ChunkStorageMetadata, Metadata,
                                                      MetadataIndex, StorageMeta,
                                                      TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from checkpointing.writer import RAW
 
 METADATA_FILE = ".metadata"
 # A ResNet-50's is ~100 KB and one of a large model sharded over a thousand ranks some tens of
@@ -173,11 +178,87 @@ class _SafeMetadata:
         return metadata
 
 
-class SafeFileSystemReader(_SafeMetadata, FileSystemReader):
+class _RawTensors:
+    """Reads the tensors `checkpointing.writer` stored as raw bytes straight into a tensor
+    of the dtype and chunk shape `.metadata` gives (no unpickling); any other item goes
+    through DCP's own `read_data`."""
+
+    def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, *args, **kwargs)  # type: ignore[misc]
+        self.tensors = metadata.state_dict_metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        raw: Dict[str, List[ReadItem]] = {}
+        rest = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]  # type: ignore[attr-defined]
+            if tuple(info.transform_descriptors or ()) == (RAW,):
+                raw.setdefault(info.relative_path, []).append(item)
+            else:
+                rest.append(item)
+        for relative_path, items in raw.items():
+            path = self.fs.concat_path(self.path, relative_path)  # type: ignore[attr-defined]
+            with self.fs.create_stream(path, "rb") as stream:  # type: ignore[attr-defined]
+                size = stream.seek(0, io.SEEK_END)
+                for item in sorted(items, key=lambda i: self.storage_data[  # type: ignore
+                        i.storage_index].offset):
+                    self._load_raw(stream, size, item, planner)
+        return super().read_data(  # type: ignore[misc]
+            dataclasses.replace(plan, items=rest), planner)
+
+    def _load_raw(self, stream: BinaryIO, size: int, item: ReadItem,
+                  planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]  # type: ignore[attr-defined]
+        if not 0 <= info.offset <= info.offset + info.length <= size:
+            # checked before allocating: a forged length must not claim a terabyte
+            raise UnsafeCheckpointError(f"{_shown(item.storage_index.fqn)}: bytes "
+                                        f"{info.offset} to {info.offset + info.length} are not "
+                                        f"within {_shown(info.relative_path)} ({size} bytes)")
+        chunk = torch.empty(self._chunk_shape(item, info.length),
+                            dtype=self.tensors[item.storage_index.fqn].properties.dtype)
+        stream.seek(info.offset)
+        _read_exactly(stream, memoryview(chunk.reshape(-1).view(torch.uint8).numpy()),
+                      item.storage_index.fqn)
+        tensor = narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise UnsafeCheckpointError(f"{item.storage_index.fqn}: the checkpoint holds "
+                                        f"{list(tensor.size())}, the model {list(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    def _chunk_shape(self, item: ReadItem, length: int) -> List[int]:
+        """The shape of the stored chunk `item` reads from, checked against its length."""
+        index = item.storage_index
+        entry = self.tensors.get(index.fqn)
+        chunks = [c for c in getattr(entry, "chunks", ())
+                  if list(c.offsets) == list(index.offset or ())]
+        if not isinstance(entry, TensorStorageMetadata) or not chunks:
+            raise UnsafeCheckpointError(f"{METADATA_FILE} has no chunk of {_shown(index.fqn)}"
+                                        f" at {list(index.offset or ())}")
+        shape = [int(n) for n in chunks[0].sizes]
+        itemsize = entry.properties.dtype.itemsize
+        if min(shape, default=0) < 0 or math.prod(shape) * itemsize != length:
+            raise UnsafeCheckpointError(f"{_shown(index.fqn)}: {length} bytes stored for a "
+                                        f"{entry.properties.dtype} chunk of shape {shape}")
+        return shape
+
+
+def _read_exactly(stream: BinaryIO, into: memoryview, name: str) -> None:
+    done = 0
+    while done < len(into):
+        n = stream.readinto(into[done:])
+        if not n:
+            raise UnsafeCheckpointError(f"{_shown(name)}: the file ends {len(into) - done} "
+                                        f"bytes short")
+        done += n
+
+
+class SafeFileSystemReader(_SafeMetadata, _RawTensors, FileSystemReader):
     """DCP's local-path reader, loading nothing that runs code."""
 
 
-class SafeFsspecReader(_SafeMetadata, FsspecReader):
+class SafeFsspecReader(_SafeMetadata, _RawTensors, FsspecReader):
     """DCP's fsspec reader (s3://, gs://, ...), loading nothing that runs code."""
 
 

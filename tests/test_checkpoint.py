@@ -15,12 +15,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from checkpointing import commit, verify
 from checkpointing.manager import (CheckpointError, CheckpointManager, CheckpointOptions,
                                    _WarmStager)
 from checkpointing.storage import Store
+from checkpointing.writer import Writer
 from support.checkpoints import flip_byte
 from support.tiny_job import (Job, Payload, load_into_fresh, manager, rewrite_marker, same,
                               two_checkpoints, with_planted_step)
@@ -48,13 +50,13 @@ class SlowWriter:
     """Makes DCP's file writing slow, so the loop runs on while a save is in flight."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-        original = FileSystemWriter.write_data
+        original = Writer.write_data
 
         def slow(writer, plan, planner):
             time.sleep(seconds)
             return original(writer, plan, planner)
 
-        monkeypatch.setattr(FileSystemWriter, "write_data", slow)
+        monkeypatch.setattr(Writer, "write_data", slow)
 
 
 def mutate_everything(job: Job) -> None:
@@ -143,6 +145,37 @@ def test_async_and_sync_saves_hold_identical_content(tmp_path):
     _, a = load_into_fresh(manager(tmp_path / "off"))
     _, b = load_into_fresh(manager(tmp_path / "thread"))
     assert same(a, b) and same(a, job.snapshot())
+
+
+
+def test_tensors_are_stored_raw_and_dcp_s_own_format_still_loads(tmp_path, monkeypatch):
+    """Tensors go to disk as their bytes (no per-tensor `torch.save`); DCP's stock reader
+    refuses such a checkpoint loudly instead of misreading it, and a checkpoint in DCP's own
+    format (this trainer's earlier versions) still loads, bit for bit."""
+    job = Job()
+    mgr = manager(tmp_path / "raw", async_mode="off")
+    mgr.save(1, job.state())
+    mgr.close()
+    step_dir = tmp_path / "raw" / "step_000000001"
+    data = (step_dir / "__0_0.distcp").read_bytes()
+    assert job.model.state_dict()["0.weight"].numpy().tobytes() in data
+    with pytest.raises(CheckpointException, match="Unknown extension"):
+        dcp.load({"model": job.model.state_dict()}, storage_reader=FileSystemReader(step_dir),
+                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+
+    monkeypatch.setattr(Writer, "write_data", FileSystemWriter.write_data)
+    old = manager(tmp_path / "dcp", async_mode="off")
+    old.save(1, job.state())
+    old.close()
+    # one zip archive per tensor there; here only the non-tensor items are archives
+    archives = (tmp_path / "dcp" / "step_000000001" / "__0_0.distcp").read_bytes().count(
+        b"PK\x05\x06")
+    tensors = len(job.model.state_dict()) + 3 * len(job.optimizer.state)
+    assert archives - data.count(b"PK\x05\x06") == tensors
+    monkeypatch.undo()
+    for root in ("dcp", "raw"):
+        step, loaded = load_into_fresh(manager(tmp_path / root))
+        assert step == 1 and same(loaded, job.snapshot()), root
 
 
 CORRUPTIONS = {

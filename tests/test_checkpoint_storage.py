@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 
-from checkpointing import export, manager as manager_module, verify
+from checkpointing import export, manager as manager_module, verify, writer
 from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
 from support.launch import run_train
@@ -77,10 +76,11 @@ def test_a_url_fsspec_cannot_open_is_one_line_in_the_tools(tmp_path, capsys):
 
 
 def fail_writes(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
-    """Every DCP shard write fails with `error`, inside DCP, as a full disk makes it fail."""
-    def write_data(self, *args, **kwargs):
+    """Every write of a checkpoint item fails with `error`, inside DCP, as a full disk makes
+    it fail."""
+    def write_item(*args, **kwargs):
         raise error
-    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    monkeypatch.setattr(writer, "_write_item", write_item)
 
 
 def big_state(job: Job) -> dict:

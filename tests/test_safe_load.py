@@ -412,3 +412,45 @@ def test_a_hostile_non_tensor_item_falls_back_to_the_previous_checkpoint(tmp_pat
         f"checkpoint {root / STEP_2} failed to load (UnsafeCheckpointError: refusing to load "
         f"item position.trainer.step: ")
     assert not any(r.exc_info for r in caplog.records)
+
+
+def _forge_raw(field: str):
+    """A change to `.metadata`'s record of model.0.weight's raw bytes (or of its chunk)."""
+    def forge(metadata: Metadata) -> None:
+        entry = metadata.state_dict_metadata["model.0.weight"]
+        index, info = next((i, s) for i, s in metadata.storage_data.items()
+                           if i.fqn == "model.0.weight")
+        if field == "huge length":
+            info.length = 1 << 42
+        elif field == "past the end":
+            info.offset += 1 << 30
+        elif field == "negative offset":
+            info.offset = -8
+        elif field == "shape":
+            entry.chunks[0].sizes = torch.Size([s * 2 for s in entry.chunks[0].sizes])
+        elif field == "dtype":
+            entry.properties.dtype = torch.float64
+        elif field == "no such chunk":
+            metadata.storage_data[MetadataIndex(index.fqn, [7] * len(index.offset), 0)] = (
+                metadata.storage_data.pop(index))
+        elif field == "another file":
+            info.relative_path = "../../../etc/passwd"
+    return forge
+
+
+@pytest.mark.parametrize("field", ["huge length", "past the end", "negative offset", "shape",
+                                   "dtype", "no such chunk", "another file"])
+def test_a_forged_raw_tensor_record_is_a_damaged_checkpoint(tmp_path, caplog, field):
+    """Tensors are stored as raw bytes placed by `.metadata`: a re-signed record that lies
+    about where they are or what shape they have is refused before anything is allocated or
+    read outside the checkpoint, and resume falls back to the previous checkpoint."""
+    root, first = two_checkpoints(tmp_path)
+    metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
+    _forge_raw(field)(metadata)
+    plant_metadata(root / STEP_2, pickle.dumps(metadata))
+    with caplog.at_level(logging.WARNING):
+        job = Job(seed=9)
+        assert manager(root).load_latest(job.state()).step == 1
+    assert same(job.snapshot(), first)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and STEP_2 in warnings[0], warnings
