@@ -26,13 +26,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from checkpointing import commit
 from checkpointing.checksums import WRITE_ALGORITHM
 from checkpointing.commit import FileRecord
 from checkpointing.safe_load import SafeLoadPlanner, safe_reader
+from checkpointing.staging import WarmStager
 from checkpointing.storage import Store
 from checkpointing.verify import listed_files
 from checkpointing.writer import Writer, take_records
@@ -99,22 +99,6 @@ def _megabytes(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-class _WarmStager(DefaultStager):
-    """Copies the state into CPU buffers allocated at the first save and reused by every
-    later one (DCP keys them by the live tensors' storages), so an async save blocks the
-    loop for one copy into warm memory, not an allocating one (page faults cost several
-    times the copy). Pinned on CUDA (fast device-to-host copies); in shared memory for
-    `process`, so handing the snapshot to DCP's process copies nothing more. Reuse is safe
-    because at most one save is in flight: `save` waits for the previous one first."""
-
-    _synchronize_after_execute = False  # the copy is done when stage() returns
-
-    def __init__(self, share_memory: bool) -> None:
-        super().__init__(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                        use_shared_memory=share_memory,
-                                        use_async_staging=False, use_non_blocking_copy=False))
-
-
 class Loaded(NamedTuple):
     """What a load restored: the checkpoint's step, and the world size that saved it."""
 
@@ -148,7 +132,7 @@ class CheckpointManager:
         self.failed_saves = 0
         self._verified: set = set()  # (store url, step) whose checksums were verified
         self.last_save_seconds = 0.0  # how long the last save took to commit
-        self._stager = _WarmStager(share_memory=options.async_mode == "process")
+        self._stager = WarmStager(share_memory=options.async_mode == "process")
 
     # ---- collectives (a dedicated group, so they never interleave with training's) ----
 

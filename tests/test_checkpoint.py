@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from checkpointing import commit, verify
-from checkpointing.manager import (CheckpointError, CheckpointManager, CheckpointOptions,
-                                   _WarmStager)
+from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
+from checkpointing.staging import WarmStager
 from checkpointing.storage import Store
 from checkpointing.writer import Writer
 from support.checkpoints import flip_byte
@@ -110,7 +110,7 @@ def test_async_saves_are_snapshots_taken_before_save_returns(tmp_path, monkeypat
 def test_the_snapshot_test_catches_a_torn_snapshot(tmp_path, monkeypatch):
     """Negative control: with staging that skips the copy, the mutations do leak."""
     SlowWriter(monkeypatch, 0.5)
-    monkeypatch.setattr(_WarmStager, "stage", lambda self, state_dict: state_dict)
+    monkeypatch.setattr(WarmStager, "stage", lambda self, state_dict: state_dict)
     job = Job()
     mgr = manager(tmp_path / "ckpt", async_mode="thread")
     mgr.save(1, job.state())
@@ -125,7 +125,7 @@ def test_staging_reuses_its_buffers_and_copies_the_live_values():
     """The second save copies into the memory of the first (no allocation, no page faults):
     the same addresses, holding the new values."""
     job = Job()
-    stager = _WarmStager(share_memory=False)
+    stager = WarmStager(share_memory=False)
     first = {k: v for k, v in stager.stage(job.model.state_dict()).items()}
     addresses = {k: v.data_ptr() for k, v in first.items()}
     mutate_everything(job)
