@@ -279,20 +279,26 @@ def measure_ranks(work: Path, repeats: int) -> List[Dict[str, Any]]:
     return results
 
 
+# The training runs log a window of metrics every LOG_EVERY steps, so each run gives the
+# images/s of each window: the first holds the first save (buffers allocated), the last the
+# final save, which the run waits for; the ones between are the steady state of a long run.
+LOG_EVERY = 25
+
+
 def measure_training(work: Path, steps: int, intervals: List[int], modes: List[str],
                      rounds: int) -> Dict[str, Dict[str, float]]:
     """`python -m train +experiment=resnet` for `steps` steps without checkpoints and with
     them every N steps of `intervals` in each async mode of `modes`: medians of `rounds`
-    interleaved rounds. A kind whose runs all failed is left out (the failures are
-    printed)."""
+    interleaved rounds of the whole run's images/s (every save counted, the final one
+    included), of the steady-state windows' images/s and of the wall time. A kind whose
+    runs all failed is left out (the failures are printed)."""
     data = work / "shapes"
     subprocess.run([sys.executable, "-m", "data.synthetic", "--out", str(data), "--num-train",
                     str(steps * TRAIN_BATCH + 200), "--num-val", "200", "--size", "96"],
                    check=True, capture_output=True)
     common = ["+experiment=resnet", f"data.root={data}", "logger=none",
-              f"trainer.max_steps={steps}",
-              # one metrics window over the whole run: its images/s includes every stall
-              f"trainer.log_every_steps={steps}", f"run.root={work / 'runs'}"]
+              f"trainer.max_steps={steps}", f"trainer.log_every_steps={LOG_EVERY}",
+              f"run.root={work / 'runs'}"]
     runs = {"no checkpoints": ["run.name=off", "checkpoint.enabled=false"]}
     for interval in intervals:
         for mode in modes:
@@ -305,19 +311,23 @@ def measure_training(work: Path, steps: int, intervals: List[int], modes: List[s
             shutil.rmtree(work / "runs", ignore_errors=True)  # a fresh run, not a resume
             start = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "train", *common, *extra], cwd=work,
-                                  capture_output=True, text=True, timeout=900)
+                                  capture_output=True, text=True, timeout=1800)
             wall = time.perf_counter() - start
-            rate = re.findall(r"train/images_per_second=([\d.e+]+)", proc.stdout + proc.stderr)
-            if proc.returncode or not rate:
+            rates = [float(r) for r in re.findall(r"train/images_per_second=([\d.e+]+)",
+                                                  proc.stdout + proc.stderr)]
+            if proc.returncode or len(rates) < 3:
                 # The trainer is shared with work in progress: report the failure, go on.
                 print(f"  round {round_}, {label}: python -m train failed, rc="
                       f"{proc.returncode}:\n{(proc.stdout + proc.stderr)[-1500:]}", flush=True)
                 continue
-            runs_of = samples.setdefault(label, {"images_per_second": [], "wall_s": []})
-            runs_of["images_per_second"].append(float(rate[-1]))
-            runs_of["wall_s"].append(wall)
-            print(f"  round {round_}, {label}: {float(rate[-1]):.1f} images/s, {wall:.1f}s "
-                  f"wall", flush=True)
+            whole = len(rates) / sum(1 / r for r in rates)  # equal windows: harmonic mean
+            steady = statistics.median(rates[1:-1])
+            runs_of = samples.setdefault(label, {"whole": [], "steady": [], "wall_s": []})
+            for kind, value in (("whole", whole), ("steady", steady), ("wall_s", wall)):
+                runs_of[kind].append(value)
+            print(f"  round {round_}, {label}: {whole:.1f} images/s over the run, "
+                  f"{steady:.1f} between the first and last windows, {wall:.1f}s wall",
+                  flush=True)
     return {label: {kind: statistics.median(v) for kind, v in values.items()}
             for label, values in samples.items()}
 
@@ -360,13 +370,18 @@ def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
     if "no checkpoints" in training:
         off = training["no checkpoints"]
         print(f"\npython -m train +experiment=resnet (ResNet-18 + AdamW), {steps} steps of "
-              f"{TRAIN_BATCH} images at 64 px; median of {rounds} interleaved rounds:")
+              f"{TRAIN_BATCH} images at 64 px, a window every {LOG_EVERY} steps; median of "
+              f"{rounds} interleaved rounds. Training overhead = images/s without checkpoints "
+              f"/ with, - 1: over the whole run (first save's allocation and the final save's "
+              f"wait included), and in the steady state (the windows between the first and "
+              f"the last):")
         for label, r in training.items():
-            overhead = ("" if r is off else f"  training overhead "
-                        f"{off['images_per_second'] / r['images_per_second'] - 1:+.1%}, wall "
-                        f"time ratio {r['wall_s'] / off['wall_s']:.3f}")
-            print(f"  {label:18} {r['images_per_second']:7.1f} images/s  {r['wall_s']:6.1f}s "
-                  f"wall (process start to exit){overhead}")
+            overhead = ("" if r is off else
+                        f"  overhead: whole run {off['whole'] / r['whole'] - 1:+.1%}, steady "
+                        f"{off['steady'] / r['steady'] - 1:+.1%}, wall time ratio "
+                        f"{r['wall_s'] / off['wall_s']:.3f}")
+            print(f"  {label:18} {r['whole']:7.1f} images/s ({r['steady']:.1f} steady) "
+                  f"{r['wall_s']:6.1f}s wall (process start to exit){overhead}")
 
 
 def main() -> None:
@@ -380,8 +395,9 @@ def main() -> None:
                         help="checkpoint.interval_steps of the training runs")
     parser.add_argument("--train-rounds", type=int, default=3,
                         help="interleaved rounds of training runs")
-    parser.add_argument("--train-steps", type=int, default=75,
-                        help="trainer.max_steps of the training runs")
+    parser.add_argument("--train-steps", type=int, default=100,
+                        help=f"trainer.max_steps of the training runs (at least "
+                             f"{3 * LOG_EVERY}: a first, a steady and a last window)")
     parser.add_argument("--train-modes", nargs="+", default=["thread", "process"],
                         choices=["thread", "process"],
                         help="checkpoint.async_mode of the training runs")
@@ -389,6 +405,8 @@ def main() -> None:
                         help="only profile saves in this checkpoint.async_mode")
     parser.add_argument("--ranks-worker", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.train_steps < 3 * LOG_EVERY:
+        parser.error(f"--train-steps must be at least {3 * LOG_EVERY}")
     if args.ranks_worker:
         ranks_worker(args.ranks_worker, args.repeats)
         return
