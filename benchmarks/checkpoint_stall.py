@@ -167,6 +167,11 @@ def save_back_to_back(manager: CheckpointManager, step: int, state: Dict[str, An
     return blocked, reported
 
 
+def remove_checkpoints(directory: Path) -> None:
+    for step_dir in directory.glob("step_*"):
+        shutil.rmtree(step_dir)
+
+
 def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]], float]:
     """{label: {"blocked": s, "total": s, ...}} medians over `repeats` interleaved rounds,
     and the state's size in MB."""
@@ -177,8 +182,11 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
     buffers = [torch.empty_like(t) for t in tensors]
     copy_into(buffers, tensors)  # warm: every page is touched once, before any timing
     state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+    # Retention never deletes during a timed save (keep_last above the saves made): deleting
+    # an older checkpoint is not part of committing this one, and (a') deletes nothing. The
+    # old checkpoints are removed between saves, untimed.
     managers = {key: CheckpointManager(CheckpointOptions(dir=str(work / mode), async_mode=mode,
-                                                         keep_last=2),
+                                                         keep_last=1000),
                                        world.rank, world.world_size, world.control_group)
                 for key, mode in MODES.items()}
     samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in LABELS}
@@ -198,7 +206,9 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
             if not manager.wait():
                 raise RuntimeError(f"the {MODES[key]} save failed: see the log above")
             total, cpu = time.perf_counter() - start, time.process_time() - cpu
+            remove_checkpoints(work / MODES[key])
             again, again_reported = save_back_to_back(manager, step + 1, state)
+            remove_checkpoints(work / MODES[key])
             results[key] = {"blocked": blocked, "total": total, "cpu": cpu, "stall": reported,
                             "back_to_back": again, "back_to_back_stall": again_reported}
         full.unlink()
