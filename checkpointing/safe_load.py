@@ -36,7 +36,9 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                      ChunkStorageMetadata, Metadata,
                                                      MetadataIndex, StorageMeta,
                                                      TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from checkpointing.writer import RAW
@@ -267,7 +269,29 @@ def safe_reader(path: str, local: bool) -> FileSystemReader:
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner with non-tensor items read as plain data only."""
+    """DCP's load planner with non-tensor items read as plain data only, and every element
+    of every tensor it loads read from the checkpoint exactly once."""
+
+    # DCP reads only where `.metadata`'s chunks meet the live tensor: chunks that leave a
+    # gap (a forged size, a negative one) leave those elements as they were, the live
+    # weights on resume and uninitialized memory in `export`, silently.
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        reads: Dict[tuple, List[ReadItem]] = {}
+        for item in plan.items:
+            if item.type == LoadItemType.TENSOR:
+                reads.setdefault((item.dest_index.fqn, item.dest_index.index), []).append(item)
+        for fqn, obj in self.state_dict.items():
+            if not isinstance(self.metadata.state_dict_metadata.get(fqn),
+                              TensorStorageMetadata) or (
+                    isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
+                continue  # not loaded as a tensor here, or not this rank's
+            for index, chunk in enumerate(_create_chunk_list(obj)):
+                if not _read_exactly_once(chunk.sizes, reads.get((fqn, index), [])):
+                    raise UnsafeCheckpointError(
+                        f"{_shown(fqn)}: the chunks {METADATA_FILE} lists do not make up the "
+                        f"tensor (gaps or overlaps): a damaged or forged checkpoint")
+        return plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
@@ -280,3 +304,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _read_exactly_once(sizes: torch.Size, items: List[ReadItem]) -> bool:
+    """Whether `items` write every element of a tensor of `sizes` once and only once."""
+    if len(items) == 1 and list(items[0].lengths) == list(sizes):
+        return True  # the whole tensor from one chunk: the same sharding saved and loaded
+    if sum(math.prod(item.lengths) for item in items) != math.prod(sizes):
+        return False
+    # As many elements read as the tensor has: they are all of them if no two reads meet.
+    written = torch.zeros(sizes, dtype=torch.bool)
+    for item in items:
+        region = narrow_tensor_by_index(written, item.dest_offsets, item.lengths)
+        if region.any():
+            return False
+        region.fill_(True)
+    return True

@@ -104,13 +104,16 @@ def _write_item(stream: Any, name: str, item: WriteItem, data: Any) -> WriteResu
     descriptors: Optional[Tuple[str, ...]] = None
     if item.type == WriteItemType.BYTE_IO:
         stream.write(data.getbuffer())
-    elif data.layout != torch.strided:  # no raw bytes to speak of: DCP's own format
+    elif data.layout != torch.strided or data.is_quantized:
+        # No raw bytes to speak of, or bytes that mean nothing without their quantizer's
+        # scale and zero point (which `.metadata` does not hold): DCP's own format.
         buffer = io.BytesIO()
         torch.save(data, buffer)
         stream.write(buffer.getbuffer())
     else:
         # On CUDA a synchronous save hands over device tensors; staged ones are on the CPU.
-        tensor = data.detach().to("cpu").contiguous()
+        # A conjugate or negative view holds its values unconjugated, un-negated: resolved.
+        tensor = data.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
         descriptors = (RAW,)
     length = stream.tell() - offset

@@ -429,3 +429,55 @@ def test_retention_spares_a_partial_another_rank_is_already_writing(tmp_path):
     mgr.save(1, Job().state())
     mgr.close()
     assert ahead.is_dir() and not any(p.exists() for p in stale)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as bytes, so that NaN payloads and -0.0 compare too."""
+    if t.is_quantized:
+        return _bits(t.int_repr())
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of `t`'s kind that loading must fill: zeros, or another quantized value."""
+    if t.is_quantized:
+        return torch.quantize_per_tensor(torch.ones(t.shape), t.q_scale(), t.q_zero_point(),
+                                         t.dtype)
+    return torch.zeros_like(t, memory_format=torch.preserve_format).resolve_conj()
+
+
+_SHARED = torch.randn(4, 6)
+ODD_TENSORS = {
+    "bfloat16": lambda: {"t": torch.randn(5, 3).bfloat16()},
+    "float8": lambda: {"a": torch.randn(9).to(torch.float8_e4m3fn),
+                       "b": torch.randn(9).to(torch.float8_e5m2)},
+    "nan and -0.0": lambda: {"t": torch.tensor([float("nan"), -0.0, float("inf")])},
+    "bool": lambda: {"t": torch.rand(7) > 0.5},
+    "complex": lambda: {"t": torch.randn(3, dtype=torch.complex64)},
+    "conjugate view": lambda: {"t": torch.randn(3, dtype=torch.complex64).conj()},
+    "negative view": lambda: {"t": torch._neg_view(torch.randn(3, dtype=torch.complex64))},
+    "quantized": lambda: {"t": torch.quantize_per_tensor(torch.randn(6), 0.1, 2, torch.qint8)},
+    "transposed": lambda: {"t": torch.randn(4, 6).t()},
+    "channels_last": lambda: {"t": torch.randn(2, 3, 4, 5).to(
+        memory_format=torch.channels_last)},
+    "every third": lambda: {"t": torch.randn(10)[::3]},
+    "zero-size": lambda: {"a": torch.empty(0, 5), "b": torch.empty(3, 0, 2)},
+    "0-dim": lambda: {"a": torch.tensor(3.5), "b": torch.tensor(7)},
+    "tied": lambda: {"a": _SHARED, "b": _SHARED, "c": _SHARED[1:3]},
+}
+
+
+@pytest.mark.parametrize("mode", ["off", "thread"])
+@pytest.mark.parametrize("kind", sorted(ODD_TENSORS))
+def test_odd_tensors_round_trip_bit_exact(tmp_path, kind, mode):
+    """The writer stores a tensor's bytes: any dtype, layout, view or sharing of storage
+    must come back with the same bits (a conjugate view holds its values unconjugated; a
+    quantized tensor's bytes mean nothing without its scale)."""
+    tensors = ODD_TENSORS[kind]()
+    mgr = manager(tmp_path / "ckpt", async_mode=mode)
+    mgr.save(1, {"s": dict(tensors)})
+    mgr.close()
+    loaded = {k: _like(v) for k, v in tensors.items()}
+    assert manager(tmp_path / "ckpt").load_latest({"s": loaded}).step == 1
+    for k, v in tensors.items():
+        assert torch.equal(_bits(loaded[k]), _bits(v)), k

@@ -11,6 +11,7 @@ import copyreg
 import io
 import json
 import logging
+import os
 import pathlib
 import pickle
 import struct
@@ -435,11 +436,29 @@ def _forge_raw(field: str):
                 metadata.storage_data.pop(index))
         elif field == "another file":
             info.relative_path = "../../../etc/passwd"
+        elif field in ODD_DESCRIPTORS:
+            info.transform_descriptors = ODD_DESCRIPTORS[field]
+        elif field in ODD_DTYPES:
+            entry.properties.dtype = ODD_DTYPES[field]
+        elif field in ODD_SIZES:
+            entry.chunks[0].sizes = ODD_SIZES[field]
     return forge
 
 
+ODD_DESCRIPTORS = {"descriptor twice": ("raw_tensor", "raw_tensor"),
+                   "descriptor str": "raw_tensor", "descriptor int": 5,
+                   "descriptor bytes": b"raw_tensor", "descriptor none": None,
+                   "descriptors by the million": ["raw_tensor"] * 1_000_000}
+ODD_DTYPES = {f"dtype {d}": getattr(torch, d)
+              for d in ("bool", "uint1", "uint7", "float8_e4m3fn", "qint32", "bits16")}
+ODD_SIZES = {"sizes huge": torch.Size([1 << 62, 1 << 62]), "sizes float": [16.0, 8.0],
+             "sizes str": ["16", "8"], "sizes none": None, "sizes int": 128,
+             "sizes one dim more": torch.Size([16, 8, 1])}
+
+
 @pytest.mark.parametrize("field", ["huge length", "past the end", "negative offset", "shape",
-                                   "dtype", "no such chunk", "another file"])
+                                   "dtype", "no such chunk", "another file",
+                                   *ODD_DESCRIPTORS, *ODD_DTYPES, *ODD_SIZES])
 def test_a_forged_raw_tensor_record_is_a_damaged_checkpoint(tmp_path, caplog, field):
     """Tensors are stored as raw bytes placed by `.metadata`: a re-signed record that lies
     about where they are or what shape they have is refused before anything is allocated or
@@ -454,3 +473,85 @@ def test_a_forged_raw_tensor_record_is_a_damaged_checkpoint(tmp_path, caplog, fi
     assert same(job.snapshot(), first)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and STEP_2 in warnings[0], warnings
+    assert "\n" not in warnings[0] and not any(r.exc_info for r in caplog.records)
+
+
+def _split_rows(metadata: Metadata, second_row: int) -> None:
+    """model.0.weight (16 x 8, one chunk) recorded as two chunks of 8 rows, the second
+    starting at `second_row`: 8 is how two ranks would have saved it, 4 overlaps the first
+    and leaves rows 12 to 15 to no chunk."""
+    entry = metadata.state_dict_metadata["model.0.weight"]
+    index, info = next((i, s) for i, s in metadata.storage_data.items()
+                       if i.fqn == "model.0.weight")
+    half = info.length // 2
+    entry.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([8, 8])),
+                    ChunkStorageMetadata(torch.Size([second_row, 0]), torch.Size([8, 8]))]
+    del metadata.storage_data[index]
+    for n, chunk in enumerate(entry.chunks):
+        metadata.storage_data[MetadataIndex(index.fqn, chunk.offsets, n)] = _StorageInfo(
+            info.relative_path, info.offset + n * half, half, info.transform_descriptors)
+
+
+CHUNKS_THAT_MISS = {
+    "negative sizes": lambda m: setattr(m.state_dict_metadata["model.0.weight"].chunks[0],
+                                        "sizes", torch.Size([-16, -8])),
+    "no rows": lambda m: setattr(m.state_dict_metadata["model.0.weight"].chunks[0],
+                                 "sizes", torch.Size([0, 1 << 62])),
+    "transposed": lambda m: setattr(m.state_dict_metadata["model.0.weight"].chunks[0],
+                                    "sizes", torch.Size([8, 16])),
+    "overlap and gap": lambda m: _split_rows(m, second_row=4),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(CHUNKS_THAT_MISS))
+def test_chunks_that_leave_part_of_a_tensor_unread_are_a_damaged_checkpoint(
+        tmp_path, caplog, capsys, forgery):
+    """DCP reads only where `.metadata`'s chunks meet the live tensor: chunks with a gap
+    would leave the live weights on resume, uninitialized memory in export, silently."""
+    root, first = two_checkpoints(tmp_path)
+    metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
+    CHUNKS_THAT_MISS[forgery](metadata)
+    plant_metadata(root / STEP_2, pickle.dumps(metadata))
+    with caplog.at_level(logging.WARNING):
+        job = Job(seed=9)
+        assert manager(root).load_latest(job.state()).step == 1
+    assert same(job.snapshot(), first)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "model.0.weight: the chunks" in warnings[0], warnings
+    assert export.main([str(root / STEP_2), str(tmp_path / "model.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and STEP_2 in err[0], err
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_a_tensor_in_several_chunks_loads_whole(tmp_path):
+    """The check above passes chunks that make up the tensor, as resharding reads them."""
+    root, _ = two_checkpoints(tmp_path)
+    whole = Job(seed=9)
+    assert manager(root).load_latest(whole.state()).step == 2
+    metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
+    _split_rows(metadata, second_row=8)
+    plant_metadata(root / STEP_2, pickle.dumps(metadata))
+    job = Job(seed=9)
+    assert manager(root).load_latest(job.state()).step == 2
+    assert same(job.snapshot(), whole.snapshot())
+
+
+def test_a_file_that_shrinks_while_it_is_read_is_a_damaged_checkpoint(tmp_path, caplog,
+                                                                      monkeypatch):
+    """Its size is taken once, before the reads: one cut short after that is one line."""
+    root, first = two_checkpoints(tmp_path)
+    read_raw = safe_load._RawTensors._load_raw
+
+    def shrinking(reader, stream, size, item, planner):
+        os.truncate(root / STEP_2 / "__0_0.distcp", 10)
+        return read_raw(reader, stream, size, item, planner)
+
+    monkeypatch.setattr(safe_load._RawTensors, "_load_raw", shrinking)
+    with caplog.at_level(logging.WARNING):
+        job = Job(seed=9)
+        assert manager(root).load_latest(job.state()).step == 1
+    assert same(job.snapshot(), first)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "bytes short" in warnings[0], warnings
+    assert not any(r.exc_info for r in caplog.records)
