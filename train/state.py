@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -20,6 +22,50 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 
 from data.sampler import derive_seed
 from train.errors import ConfigError
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP's and torch.compile's wrappers, whose names DCP's state dicts use."""
+    while isinstance(model, DistributedDataParallel) or hasattr(model, "_orig_mod"):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return model
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same structure, holding the same tensors (storage, shape, dtype) and values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (type(a) is type(b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                and a.dtype == b.dtype and a.stride() == b.stride())
+    return type(a) is type(b) and a == b
+
+
+class _CheckedShortcut:
+    """DCP's `get_model_state_dict` / `get_optimizer_state_dict` walk every module and
+    parameter to name them, each call: 30-80 ms for ResNet-50 + AdamW on 2 CPU cores, as much
+    as staging's copy, while the loop is blocked. Without FSDP the names are the unwrapped
+    module's own, so the plain `state_dict()` renamed is the same thing: `get` takes the
+    shortcut once it has matched DCP's answer exactly (same names, same tensors, same values)
+    and while the parameters are the ones it matched, else asks DCP."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.params: Optional[List[int]] = None  # ids of the parameters matched; None: unchecked
+        self.usable = True  # False once the shortcut differed from DCP: DCP from then on
+
+    def get(self, shortcut: Callable[[], Dict[str, Any]],
+            dcp: Callable[[], Dict[str, Any]], params: Callable[[], List[int]]
+            ) -> Dict[str, Any]:
+        if self.usable and self.params is not None and params() == self.params:
+            return shortcut()
+        result = dcp()
+        if self.usable and not any(isinstance(p, DTensor) for p in self.model.parameters()):
+            self.usable = _same(shortcut(), result)
+            self.params = params()
+        return result
 
 
 class ModelState:
@@ -34,13 +80,17 @@ class ModelState:
     def __init__(self, model: torch.nn.Module,
                  sync_group: Optional[dist.ProcessGroup] = None) -> None:
         self.model, self.sync_group = model, sync_group
+        self._shortcut = _CheckedShortcut(model)
 
     def state_dict(self) -> Dict[str, Any]:
         if self.sync_group is not None and dist.get_world_size(self.sync_group) > 1:
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, src=dist.get_global_rank(self.sync_group, 0),
                                group=self.sync_group)
-        return get_model_state_dict(self.model)
+        return self._shortcut.get(lambda: dict(_unwrapped(self.model).state_dict()),
+                                  lambda: get_model_state_dict(self.model),
+                                  lambda: [id(t) for t in self.model.state_dict(keep_vars=True)
+                                           .values()])
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         set_model_state_dict(self.model, state)
@@ -49,9 +99,23 @@ class ModelState:
 class OptimizerState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        self._shortcut = _CheckedShortcut(model)
 
     def state_dict(self) -> Dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return self._shortcut.get(self._named, lambda: get_optimizer_state_dict(
+            self.model, self.optimizer), self._param_ids)
+
+    def _param_ids(self) -> List[int]:
+        return [id(p) for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _named(self) -> Dict[str, Any]:
+        """`optimizer.state_dict()` with each parameter's index replaced by its name."""
+        name_of = {id(p): n for n, p in _unwrapped(self.model).named_parameters()}
+        names = [name_of.get(i) for i in self._param_ids()]
+        plain = self.optimizer.state_dict()
+        return {"state": {names[i]: dict(s) for i, s in plain["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                 for g in plain["param_groups"]]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
