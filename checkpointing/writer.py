@@ -23,6 +23,7 @@ import io
 import json
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, Generator, List, Optional, Tuple
@@ -37,9 +38,10 @@ from torch.futures import Future
 
 from checkpointing.checksums import WRITE_ALGORITHM, hasher
 
-# The transform descriptor of a tensor stored as its raw bytes (C order, this machine's
-# byte order), its dtype and shape being those `.metadata` gives its chunk.
-RAW = "raw_tensor"
+# The transform descriptor of a tensor stored as its raw bytes (C order, in this machine's
+# byte order, which the name records), its dtype and shape being those `.metadata` gives
+# its chunk. A machine of the other byte order finds no reader for it and refuses it.
+RAW = f"raw_tensor_{sys.byteorder}_endian"
 
 Records = Dict[str, Tuple[int, str]]  # file name -> (size, hex checksum)
 
