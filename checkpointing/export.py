@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing import commit
+from checkpointing.manager import one_line
 from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store, StoreUnavailable
@@ -115,8 +116,7 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
             dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)),
                      planner=SafeLoadPlanner(), no_dist=True)
     except (CheckpointException, UnsafeCheckpointError) as err:
-        raise ExportError(f"loading {checkpoint_dir} failed: {str(err).splitlines()[0]}") \
-            from None
+        raise ExportError(f"loading {checkpoint_dir} failed: {one_line(err)}") from None
     card = card_of(state.pop(CARD_KEY), checkpoint_dir) if CARD_KEY in state else None
     return with_model_card({k[len(prefix):]: v for k, v in state.items()}, card)
 
