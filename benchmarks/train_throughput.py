@@ -8,7 +8,7 @@ Part 1, the whole loop. Each round runs, in alternating order:
       batches of 128, 2 loader workers, AdamW), checkpoints and MLflow off;
   (b) ours with `trainer.deterministic=false`;
   (c) a bare loop: the same model, optimizer and batches from our loader
-      (`data.pipeline.build_loader`), forward / backward / step only, torch's defaults.
+      (`data.pipeline.build_loader`), forward / backward / step only, torch's defaults;
   (d) with `--reference DIR` (a checkout of torchvision's references/classification:
       `git clone --depth 1 https://github.com/pytorch/vision`, then
       `--reference vision/references/classification`), torchvision's reference recipe
