@@ -1,8 +1,10 @@
-"""Session fixtures: the tiny shapes dataset and the uninterrupted reference runs. The
+"""Session fixtures: the tiny shapes dataset and the uninterrupted reference runs, each made
+once for the whole session, however many xdist workers share it (`support.shared`). The
 helpers the tests share are in tests/support/."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,13 +13,30 @@ from data import synthetic
 from support.checkpoints import reference_of
 from support.launch import run_job, torchrun
 from support.runs import TINY, train_args
+from support.shared import made_once
+
+# Most tests wait on subprocesses (restarts, timeouts, torchrun start-up), so three workers
+# keep two cores busy. Here rather than in addopts, so that `-p no:xdist` still parses.
+WORKERS, DIST = 3, "worksteal"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """`python -m pytest` runs on WORKERS xdist workers unless `-n` says otherwise (`-n 0`
+    or `-p no:xdist`: serially); xdist's own hook, which runs after this one, starts them."""
+    if (config.pluginmanager.has_plugin("xdist") and config.option.numprocesses is None
+            and not os.environ.get("PYTEST_XDIST_WORKER") and not config.option.usepdb):
+        config.option.numprocesses = WORKERS
+        if config.option.dist == "no":
+            config.option.dist = DIST
 
 
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("data") / "shapes"
-    synthetic.generate(root, TINY["num_train"], TINY["num_val"], TINY["size"], seed=0, workers=2)
-    return root
+    def make(data: Path) -> None:
+        synthetic.generate(data / "shapes", TINY["num_train"], TINY["num_val"], TINY["size"],
+                           seed=0, workers=2)
+    return made_once(tmp_path_factory, "data", make) / "shapes"
 
 
 @pytest.fixture(scope="session")
@@ -28,8 +47,8 @@ def reference_runs(tiny_root: Path, tmp_path_factory: pytest.TempPathFactory):
 
     def reference(strategy: str = "ddp") -> dict:
         if strategy not in made:
-            root = tmp_path_factory.mktemp(f"reference_{strategy}")
-            run_job(torchrun(2), train_args(tiny_root, root, strategy=strategy))
+            root = made_once(tmp_path_factory, f"reference_{strategy}", lambda root: run_job(
+                torchrun(2), train_args(tiny_root, root, strategy=strategy)))
             made[strategy] = reference_of(root)
         return made[strategy]
     return reference

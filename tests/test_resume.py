@@ -21,6 +21,7 @@ from support.launch import PYTHON, finish, launch, run_job
 from support.ledger import assert_resumed, ledger_records, samples_per_rank
 from support.mount import rclone_mount
 from support.runs import FINAL, tiny_overrides
+from support.shared import made_once
 
 
 def command(tiny_root: Path, run_root: Path, *extra: str) -> List[str]:
@@ -64,10 +65,9 @@ def kill_after_steps(args: List[str], ledger: Path, steps: int, fault: str = "",
 
 @pytest.fixture(scope="module")
 def reference(tiny_root, tmp_path_factory):
-    """The uninterrupted run."""
-    root = tmp_path_factory.mktemp("reference")
-    run_to_end(command(tiny_root, root))
-    return reference_of(root)
+    """The uninterrupted run, made once however many xdist workers run these tests."""
+    return reference_of(made_once(tmp_path_factory, "reference_resume",
+                                  lambda root: run_to_end(command(tiny_root, root))))
 
 
 def test_repeated_kills_at_random_steps_end_bit_identical(tiny_root, tmp_path, reference):
