@@ -33,6 +33,22 @@ def device_computes_correctly(device: torch.device, faults: FaultHook = NO_FAULT
     return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-1))
 
 
+# How long a healthy rank waits for the broken ones to exit before it does.
+LEAVE_GRACE_S = 20.0
+
+
+def wait_for_broken_ranks_to_leave(world: World) -> None:
+    """Healthy ranks exit only after the broken ones: torchrun reports (and a scheduler
+    acts on) the first worker to fail, and SIGTERMs the rest, so a healthy rank exiting
+    first would hide the broken one's EXIT_PREFLIGHT. A barrier the broken ranks never
+    enter fails as soon as their connections close (their exit), or after the grace."""
+    work = dist.barrier(group=world.control_group, async_op=True)
+    try:
+        work.wait(timedelta(seconds=LEAVE_GRACE_S))
+    except RuntimeError:
+        pass  # a peer left (or the grace ran out): now this rank may go
+
+
 def preflight(world: World, device: torch.device, timeout_s: float,
               faults: FaultHook = NO_FAULTS) -> None:
     """Raise PreflightError on a rank whose device or links fail. Healthy ranks learn which
@@ -63,6 +79,7 @@ def preflight(world: World, device: torch.device, timeout_s: float,
                              f"wrong matrix product: replace this node")
     failed = [r for r, ok in enumerate(verdicts["training"]) if not ok]
     if failed:
+        wait_for_broken_ranks_to_leave(world)
         raise TrainingError(f"pre-flight failed on rank(s) {failed}: see their logs; this "
                             f"rank ({world.rank}, {host}) is healthy")
     log.info("pre-flight passed in %.2fs: %s computes correctly, %d rank(s) answer",
