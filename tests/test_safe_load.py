@@ -463,17 +463,30 @@ def test_a_forged_raw_tensor_record_is_a_damaged_checkpoint(tmp_path, caplog, fi
     """Tensors are stored as raw bytes placed by `.metadata`: a re-signed record that lies
     about where they are or what shape they have is refused before anything is allocated or
     read outside the checkpoint, and resume falls back to the previous checkpoint."""
+    root, first = forged_step_2(tmp_path, _forge_raw(field))
+    assert STEP_2 in resume_falls_back_to(first, root, caplog)
+
+
+def forged_step_2(tmp_path: Path, forge) -> tuple:
+    """Two checkpoints, the second's `.metadata` changed by `forge` and re-signed; the root
+    and the first checkpoint's state."""
     root, first = two_checkpoints(tmp_path)
     metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
-    _forge_raw(field)(metadata)
+    forge(metadata)
     plant_metadata(root / STEP_2, pickle.dumps(metadata))
+    return root, first
+
+
+def resume_falls_back_to(first: dict, root: Path, caplog) -> str:
+    """Resume loads step 1, holding `first`, after one warning line (returned)."""
     with caplog.at_level(logging.WARNING):
         job = Job(seed=9)
         assert manager(root).load_latest(job.state()).step == 1
     assert same(job.snapshot(), first)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and STEP_2 in warnings[0], warnings
+    assert len(warnings) == 1, warnings
     assert "\n" not in warnings[0] and not any(r.exc_info for r in caplog.records)
+    return warnings[0]
 
 
 def _split_rows(metadata: Metadata, second_row: int) -> None:
@@ -508,16 +521,8 @@ def test_chunks_that_leave_part_of_a_tensor_unread_are_a_damaged_checkpoint(
         tmp_path, caplog, capsys, forgery):
     """DCP reads only where `.metadata`'s chunks meet the live tensor: chunks with a gap
     would leave the live weights on resume, uninitialized memory in export, silently."""
-    root, first = two_checkpoints(tmp_path)
-    metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
-    CHUNKS_THAT_MISS[forgery](metadata)
-    plant_metadata(root / STEP_2, pickle.dumps(metadata))
-    with caplog.at_level(logging.WARNING):
-        job = Job(seed=9)
-        assert manager(root).load_latest(job.state()).step == 1
-    assert same(job.snapshot(), first)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "model.0.weight: the chunks" in warnings[0], warnings
+    root, first = forged_step_2(tmp_path, CHUNKS_THAT_MISS[forgery])
+    assert "model.0.weight: the chunks" in resume_falls_back_to(first, root, caplog)
     assert export.main([str(root / STEP_2), str(tmp_path / "model.pt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and STEP_2 in err[0], err
