@@ -216,21 +216,22 @@ class _RawTensors:
             raise UnsafeCheckpointError(f"{_shown(item.storage_index.fqn)}: bytes "
                                         f"{info.offset} to {info.offset + info.length} are not "
                                         f"within {_shown(info.relative_path)} ({size} bytes)")
-        chunk = torch.empty(self._chunk_shape(item, info.length),
-                            dtype=self.tensors[item.storage_index.fqn].properties.dtype)
+        chunk = self._empty_chunk(item, info.length)
         stream.seek(info.offset)
         _read_exactly(stream, memoryview(chunk.reshape(-1).view(torch.uint8).numpy()),
                       item.storage_index.fqn)
         tensor = narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
-            raise UnsafeCheckpointError(f"{item.storage_index.fqn}: the checkpoint holds "
-                                        f"{list(tensor.size())}, the model {list(target.size())}")
+            raise UnsafeCheckpointError(f"{_shown(item.storage_index.fqn)}: the checkpoint "
+                                        f"holds {list(tensor.size())}, the model "
+                                        f"{list(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 
-    def _chunk_shape(self, item: ReadItem, length: int) -> List[int]:
-        """The shape of the stored chunk `item` reads from, checked against its length."""
+    def _empty_chunk(self, item: ReadItem, length: int) -> torch.Tensor:
+        """An uninitialised tensor of the stored chunk `item` reads from (its shape and dtype
+        checked against its length first)."""
         index = item.storage_index
         entry = self.tensors.get(index.fqn)
         chunks = [c for c in getattr(entry, "chunks", ())
@@ -243,7 +244,7 @@ class _RawTensors:
         if min(shape, default=0) < 0 or math.prod(shape) * itemsize != length:
             raise UnsafeCheckpointError(f"{_shown(index.fqn)}: {length} bytes stored for a "
                                         f"{entry.properties.dtype} chunk of shape {shape}")
-        return shape
+        return torch.empty(shape, dtype=entry.properties.dtype)
 
 
 def _read_exactly(stream: BinaryIO, into: memoryview, name: str) -> None:
