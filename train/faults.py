@@ -18,6 +18,8 @@ that does nothing unless a fault is due there (`NO_FAULTS`, the default, never i
     stop:rank=1:step=5          rank 1 sends itself SIGSTOP (frozen whole)
     corrupt:rank=1:step=8       rank 1's parameters silently drift after step 8
     preflight:rank=1            rank 1's device computes a wrong result in the pre-flight
+    preflight:rank=1:ms=4000    ... and its process lingers 4 s at exit after its links
+                                close (the slow teardown of a loaded machine)
     omit:keys=rng,data          leave those checkpoint keys out of every save and load (`data`:
                                 the data position; the negative controls of the resume tests)
     static_split                strategy=ddp_ft: each replica group keeps its slot by replica
@@ -32,6 +34,7 @@ restart; `every=1` makes it fire on every attempt instead (`omit` always applies
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -183,8 +186,11 @@ class Faults(FaultHook):
                 next(model.parameters()).add_(1e-3)  # silent: finite, plausible, wrong
 
     def _at_preflight(self, result: torch.Tensor) -> None:
-        if self._due("preflight"):
+        fault = self._due("preflight")
+        if fault:
             result[17, 42] += 1.0  # what a bad GPU or a flipped bit in its memory looks like
+            if fault.ms:  # atexit runs after the process group is shut down
+                atexit.register(time.sleep, fault.ms / 1000)
 
     def _at_load(self) -> None:
         if self._due("kill", at="load"):

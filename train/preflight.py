@@ -8,6 +8,7 @@ scheduler can replace it, instead of the whole job hanging or training on garbag
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -15,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from train.distributed import World
+from train.distributed import World, launched_by_torchrun
 from train.errors import PreflightError, TrainingError
 from train.faults import NO_FAULTS, FaultHook
 
@@ -33,20 +34,41 @@ def device_computes_correctly(device: torch.device, faults: FaultHook = NO_FAULT
     return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-1))
 
 
-# How long a healthy rank waits for the broken ones to exit before it does.
+# How long a healthy rank waits for the broken ones to leave, and then for the launcher to
+# act on their exit, before it goes anyway.
 LEAVE_GRACE_S = 20.0
 
 
 def wait_for_broken_ranks_to_leave(world: World) -> None:
     """Healthy ranks exit only after the broken ones: torchrun reports (and a scheduler
-    acts on) the first worker to fail, and SIGTERMs the rest, so a healthy rank exiting
-    first would hide the broken one's EXIT_PREFLIGHT. A barrier the broken ranks never
-    enter fails as soon as their connections close (their exit), or after the grace."""
+    acts on) the first worker it sees fail, and SIGTERMs the rest, so a healthy rank exiting
+    first would hide the broken one's EXIT_PREFLIGHT.
+
+    A barrier the broken ranks never enter fails as soon as their links close. That is not
+    yet their exit: a loaded machine may take seconds to tear a process down after its
+    process group is gone. So under torchrun a healthy rank then waits for the agent's
+    SIGTERM, which it sends only once it has seen a worker exit, and leaves on it."""
     work = dist.barrier(group=world.control_group, async_op=True)
     try:
         work.wait(timedelta(seconds=LEAVE_GRACE_S))
     except RuntimeError:
-        pass  # a peer left (or the grace ran out): now this rank may go
+        pass  # a peer left (or the grace ran out)
+    if launched_by_torchrun():
+        wait_for_sigterm(LEAVE_GRACE_S)
+
+
+def wait_for_sigterm(timeout_s: float) -> bool:
+    """Block until SIGTERM arrives or `timeout_s` passes; True if it came. The handler only
+    notes it: the caller then leaves with its own error, not as a preempted run."""
+    came: list = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: came.append(signum))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not came and time.monotonic() < deadline:
+            time.sleep(0.05)  # the handler runs between sleeps
+        return bool(came)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def preflight(world: World, device: torch.device, timeout_s: float,
