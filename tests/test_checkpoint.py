@@ -26,6 +26,7 @@ from checkpointing.writer import Writer
 from support.checkpoints import flip_byte
 from support.tiny_job import (Job, Payload, load_into_fresh, manager, rewrite_marker, same,
                               two_checkpoints, with_planted_step)
+from support.logs import our_records
 from train.distributed import init_world, shutdown_world
 
 
@@ -199,7 +200,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, co
     with caplog.at_level(logging.WARNING):
         step, loaded = load_into_fresh(manager(root))
     assert step == 1 and same(loaded, first)
-    skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    skipped = [r.getMessage() for r in our_records(caplog) if "incomplete" in r.getMessage()]
     assert len(skipped) == 1 and "step_000000002" in skipped[0]
 
 
@@ -244,7 +245,7 @@ def test_a_marker_entry_without_a_checksum_it_can_check_falls_back(tmp_path, cap
     with caplog.at_level(logging.WARNING):
         step, loaded = load_into_fresh(manager(root))
     assert step == 1 and same(loaded, first)
-    skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    skipped = [r.getMessage() for r in our_records(caplog) if "incomplete" in r.getMessage()]
     assert len(skipped) == 1 and "commit_rank_0.json is unreadable" in skipped[0], skipped
     assert "\n" not in skipped[0]
 
@@ -272,7 +273,7 @@ def test_a_marker_with_impossible_numbers_falls_back_in_one_short_line(tmp_path,
     with caplog.at_level(logging.WARNING):
         step, loaded = load_into_fresh(manager(root))
     assert step == 1 and same(loaded, first)
-    skipped = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    skipped = [r.getMessage() for r in our_records(caplog) if "incomplete" in r.getMessage()]
     assert len(skipped) == 1 and "step_000000002" in skipped[0], skipped
     assert len(skipped[0]) < 400 and "\n" not in skipped[0]
 

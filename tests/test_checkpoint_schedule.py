@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from checkpointing import plan
 from support.launch import run_train
 from support.runs import FINAL, tiny_overrides
+from support.logs import our_records
 from train.checkpoint import CheckpointSchedule
 
 
@@ -66,7 +67,7 @@ def test_auto_interval_settles_past_an_outlier_and_logs_changes_only(monkeypatch
                        save=2.0)
     steady = math.ceil(plan.exact_optimum(0.5, 3600) / 0.1)
     assert slow > 3 * steady and abs(schedule.interval - steady) <= 0.1 * steady
-    changes = [r.getMessage() for r in caplog.records if "checkpoint interval" in r.message]
+    changes = [r.getMessage() for r in our_records(caplog) if "checkpoint interval" in r.message]
     assert 2 <= len(changes) <= 3, changes
     assert "exact model's optimum" in changes[-1] and "restart 60 s (assumed)" in changes[-1]
 

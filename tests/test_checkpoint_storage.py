@@ -21,6 +21,7 @@ from checkpointing.storage import Store
 from support.launch import run_train
 from support.runs import tiny_overrides
 from support.tiny_job import Job, load_into_fresh, manager, same, two_checkpoints
+from support.logs import our_records
 
 BIG = 1 << 20  # floats: a 4.2 MB tensor, so sizes show in the messages' MB
 
@@ -111,10 +112,10 @@ def test_a_full_disk_is_one_line_naming_the_cause_and_the_room(tmp_path, monkeyp
     expected = (f"no space left on device at {root}: checkpoint.keep_last=2 needs about "
                 f"{3 * size / 1e6:.1f} MB (3 checkpoints of about {size / 1e6:.1f} MB), the "
                 f"kept ones and the next; ")
-    assert [r.levelno for r in caplog.records] == [logging.ERROR]
-    logged = caplog.records[0].getMessage()
+    assert [r.levelno for r in our_records(caplog)] == [logging.ERROR]
+    logged = our_records(caplog)[0].getMessage()
     assert logged.startswith(f"checkpoint at step 2 failed: {expected}")
-    assert "\n" not in logged and caplog.records[0].exc_info is None
+    assert "\n" not in logged and our_records(caplog)[0].exc_info is None
     assert str(final.value).startswith(f"the final checkpoint (step 3) failed: {expected}")
     assert "\n" not in str(final.value)
     assert sorted(os.listdir(root)) == ["step_000000001"]  # the failed saves' room is freed
@@ -166,7 +167,7 @@ def test_a_checkpoint_that_cannot_be_read_is_skipped_with_one_line(tmp_path, mon
     with caplog.at_level(logging.WARNING):
         step, loaded = load_into_fresh(manager(root))
     assert step == 1 and same(loaded, first)
-    assert len(caplog.records) == 1 and "Input/output error" in caplog.records[0].getMessage()
+    assert len(our_records(caplog)) == 1 and "Input/output error" in our_records(caplog)[0].getMessage()
 
 
 def test_a_small_file_that_does_not_fit_leaves_nothing_behind(tmp_path, monkeypatch):

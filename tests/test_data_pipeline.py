@@ -22,6 +22,7 @@ from data.sampler import BatchPlan, GlobalBatchSampler, epoch_permutation
 from data.volume import Volume
 from support.launch import PYTHON, finish, launch
 from support.runs import tiny_overrides
+from support.logs import our_records
 
 SEED = 7
 BAD = {  # file -> what is wrong with it; all are in the train split of `flawed_root`
@@ -121,7 +122,7 @@ def test_bad_files_are_skipped_with_a_warning_once_and_counted(flawed_root, tmp_
         for epoch in (0, 1):
             samples = [ds[(epoch, i)] for i in bad]
             assert [s.image for s in samples] == [None] * len(BAD)
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = [r.getMessage() for r in our_records(caplog)]
     assert len(warnings) == len(BAD)  # once per file, not once per epoch
     for reason in ("truncated JPEG", "corrupt JPEG", "not a JPEG"):
         assert sum(reason in w for w in warnings) == 1, warnings

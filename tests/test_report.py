@@ -15,6 +15,7 @@ import pytest
 
 from support.launch import PYTHON, finish, launch, run, run_job
 from support.runs import train_args
+from support.logs import our_records
 from train import events, report
 from train.events import read_events
 
@@ -121,7 +122,7 @@ def test_a_full_disk_stops_the_timeline_with_one_warning(tmp_path, monkeypatch, 
         for step in range(3):
             events.record("progress", step=step)  # no exception: training goes on
     events.close()
-    assert len(writes) == 1 and len(caplog.records) == 1
+    assert len(writes) == 1 and len(our_records(caplog)) == 1
     assert "events.jsonl" in caplog.text and "No space left" in caplog.text
     assert [e.kind for e in read_events(tmp_path / "events.jsonl").events] == ["start"]
 

@@ -20,6 +20,7 @@ from train.config import HealthConfig
 from train.errors import ConfigError
 from train.goodput import Goodput
 from train.health import HealthMonitor, HealthState
+from support.logs import our_records
 
 NO_SPACE = [errno.ENOSPC, errno.EDQUOT]
 
@@ -98,6 +99,6 @@ def test_reports_that_cannot_be_written_only_warn(tmp_path, monkeypatch, caplog,
         Goodput(tmp_path / "goodput.json", 0.0).save(ended=True)
         monitor.skip(7)
     assert monitor.skipped(7)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "goodput.json" in warnings[0] and "health.json" in warnings[1]
-    assert not any(r.exc_info for r in caplog.records)
+    assert not any(r.exc_info for r in our_records(caplog))

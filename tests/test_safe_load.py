@@ -34,6 +34,7 @@ from checkpointing.storage import Store
 from support.launch import PYTHON, run
 from support.tiny_job import (Job, Payload, manager, rewrite_marker, same, two_checkpoints,
                               with_planted_step)
+from support.logs import our_records
 
 STEP_2 = "step_000000002"
 PLANTED = "planted_goodput_mod"  # a module the attacker drops next to the checkpoint
@@ -288,9 +289,9 @@ def test_a_resigned_hostile_metadata_is_a_damaged_checkpoint_everywhere(planted,
         job = Job(seed=9)
         assert manager(root).load_latest(job.state()).step == 1
     assert same(job.snapshot(), first)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and STEP_2 in warnings[0] and "refusing" in warnings[0]
-    assert "\n" not in warnings[0] and not any(r.exc_info for r in caplog.records)
+    assert "\n" not in warnings[0] and not any(r.exc_info for r in our_records(caplog))
 
     assert verify.main([str(root)]) == 1
     lines = capsys.readouterr().out.splitlines()
@@ -408,11 +409,11 @@ def test_a_hostile_non_tensor_item_falls_back_to_the_previous_checkpoint(tmp_pat
         fresh = Job(seed=9)
         assert manager(root).load_latest(fresh.state()).step == 1
     assert same(fresh.snapshot(), first) and not marker.exists()
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [r for r in our_records(caplog) if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and warnings[0].getMessage().startswith(
         f"checkpoint {root / STEP_2} failed to load (UnsafeCheckpointError: refusing to load "
         f"item position.trainer.step: ")
-    assert not any(r.exc_info for r in caplog.records)
+    assert not any(r.exc_info for r in our_records(caplog))
 
 
 def _forge_raw(field: str):
@@ -483,9 +484,9 @@ def resume_falls_back_to(first: dict, root: Path, caplog) -> str:
         job = Job(seed=9)
         assert manager(root).load_latest(job.state()).step == 1
     assert same(job.snapshot(), first)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert "\n" not in warnings[0] and not any(r.exc_info for r in caplog.records)
+    assert "\n" not in warnings[0] and not any(r.exc_info for r in our_records(caplog))
     return warnings[0]
 
 
@@ -557,6 +558,6 @@ def test_a_file_that_shrinks_while_it_is_read_is_a_damaged_checkpoint(tmp_path, 
         job = Job(seed=9)
         assert manager(root).load_latest(job.state()).step == 1
     assert same(job.snapshot(), first)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "bytes short" in warnings[0], warnings
-    assert not any(r.exc_info for r in caplog.records)
+    assert not any(r.exc_info for r in our_records(caplog))

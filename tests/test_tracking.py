@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from support.launch import free_port, run_train
 from support.runs import tiny_overrides
+from support.logs import our_records
 from train import tracking
 from train.config import LoggerConfig
 from train.distributed import World
@@ -105,10 +106,10 @@ def test_a_store_failing_mid_run_warns_once_and_catches_up(
         monkeypatch.setattr(tracker.client, "log_batch", real_log_batch)
         monkeypatch.setattr(tracker, "retry_at", time.monotonic())  # RETRY_SECONDS later
         tracker.log_metrics({"train/loss": 6.0}, step=6)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "training goes on" in warnings[0], warnings
     assert "kept in memory" in warnings[0] and "database or disk is full" in warnings[0]
-    assert any("answers again: sent 5 buffered" in r.getMessage() for r in caplog.records)
+    assert any("answers again: sent 5 buffered" in r.getMessage() for r in our_records(caplog))
 
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri=uri)
@@ -129,7 +130,7 @@ def test_a_store_down_at_the_end_drops_what_is_pending_and_the_run_still_ends(
         monkeypatch.setattr(tracker.client, "log_batch", failing)
         monkeypatch.setattr(tracker.mlflow, "end_run", failing)
         tracker.log_metrics({"train/loss": 1.0, "train/lr": 0.1}, step=1)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno == logging.WARNING]
     assert any("2 metric values were not logged" in w for w in warnings), warnings
     assert any("failed when ending run" in w for w in warnings), warnings
 
@@ -146,7 +147,7 @@ def test_a_store_failing_at_the_run_start_does_not_stop_training(
     with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
         tracker.log_metrics({"train/loss": 1.0}, step=1)
     assert run_id is None
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "training goes on" in warnings[0], warnings
 
 
@@ -199,7 +200,7 @@ def test_a_sweep_whose_store_cannot_be_used_warns_and_its_jobs_log_alone(
                                "sweep": {"objective": "val/top1", "direction": "maximize"}})
     SweepRun().on_multirun_start(config)
     assert PARENT_ENV not in os.environ
-    assert any("no parent run for this sweep" in r.getMessage() for r in caplog.records)
+    assert any("no parent run for this sweep" in r.getMessage() for r in our_records(caplog))
     SweepRun().on_multirun_end(config)  # nothing to end, nothing raised
     assert current_sweep_job() is None  # and outside a Hydra multirun there is none anyway
 
@@ -231,7 +232,7 @@ def test_a_sweep_parent_that_is_no_live_run_here_is_one_warning_and_the_job_logs
     tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
     with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
         tracker.log_metrics({"val/top1": 0.5}, step=1)
-    warnings = [r.getMessage() for r in caplog.records
+    warnings = [r.getMessage() for r in our_records(caplog)
                 if r.levelno >= logging.WARNING and r.name.startswith("train")]
     assert len(warnings) == 1 and warnings[0].startswith(f"{PARENT_ENV}="), warnings
     assert "\n" not in warnings[0] and len(warnings[0]) < 600, warnings[0]
@@ -303,7 +304,7 @@ def test_a_store_that_died_mid_sweep_is_asked_briefly_at_the_sweep_s_end(
                                "sweep": {"objective": "val/top1", "direction": "maximize"}})
     SweepRun().on_multirun_end(config)
     assert seen and all(s == tracking.CHECK_HTTP_SETTINGS for s in seen), seen
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "was not completed" in warnings[0], warnings
     assert PARENT_ENV not in os.environ
     assert all(os.environ.get(k) is None for k in tracking.CHECK_HTTP_SETTINGS)
