@@ -336,9 +336,10 @@ class FaultToleranceConfig:
     replica_id: int = bounded(0, ge=0)
     # The width the job is meant to run at: fewer participants count as degraded time
     replica_groups: int = bounded(2, ge=1)
-    # Below this many participating groups a step does not commit (it waits and is redone)
+    # Below this many participating groups no step is trained: the group waits for more
     min_replicas: int = bounded(1, ge=1)
-    # A quorum (and a first join, while peers start) gives up after this long
+    # A quorum (and a first join, while peers start), or the wait for min_replicas groups,
+    # gives up after this long
     quorum_timeout_seconds: float = bounded(60.0, gt=0, le=MAX_TIMEOUT_SECONDS)
     # Cross-group collectives and the copy of a healthy peer's state when rejoining
     timeout_seconds: float = bounded(30.0, gt=0, le=MAX_TIMEOUT_SECONDS)
@@ -460,7 +461,7 @@ class HealthConfig:
     # Spikes are only judged once the window holds this many losses
     min_history: int = bounded(10, ge=1)
     max_rollbacks: int = bounded(3, ge=0)  # per process lifetime; one more bad step fails the run
-    # DDP: compare a parameter checksum across ranks; 0 = off
+    # DDP: compare a parameter checksum across ranks (ddp_ft: and across groups); 0 = off
     replica_check_steps: int = bounded(100, ge=0)
     # A rank with no progress for this long dumps stacks and exits; 0 = no watchdog.
     hang_seconds: float = bounded(600.0, ge=0, le=MAX_TIMEOUT_SECONDS)
