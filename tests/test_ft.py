@@ -22,7 +22,8 @@ from data.sampler import split_bounds  # noqa: E402
 from support.launch import finish, free_port, launch, port_open, torchrun, wait_for  # noqa: E402
 from support.ledger import assert_exactly_once, ledger_records, surviving_history  # noqa: E402
 from support.runs import train_args  # noqa: E402
-from train.ft import apply_means, weighted_sums  # noqa: E402
+from train.ft import (apply_means, checksum_slots, drift_of, judge, read_checksums,  # noqa: E402
+                      spans, weighted_sums)
 
 KILLED_AT = 3  # the step whose start, or whose all-reduce, kills group 1
 
@@ -151,6 +152,10 @@ def test_a_group_alone_trains_the_whole_global_batch(tiny_root: Path, tmp_path: 
     group = start_group(tiny_root, tmp_path, lighthouse, 0, fault)
     out = ended(group, tmp_path, 0)
     assert group.returncode == 0, out[-3000:]
+    # Its own log and Hydra record, in its own directory (as its checkpoints and timeline).
+    assert not (tmp_path / "r" / "train.log").exists()
+    assert "replica group 0 joined" in (tmp_path / "r" / "replica_0" / "train.log").read_text()
+    assert (tmp_path / "r" / "replica_0" / ".hydra" / "latest" / "config.yaml").exists()
     # Its final weights are its own, which it says once, and the goodput report too.
     assert out.count("replica group 0 trained steps 1-12 alone, and no other group took part "
                      "after them") == 1, out[-3000:]
@@ -297,3 +302,36 @@ def test_weighted_sums_give_the_whole_batch_mean_however_it_is_split() -> None:
     apply_means(model, sum(addends(*split_bounds(20, p, 3)) for p in range(3)))
     for split, reference in zip([p.grad for p in model.parameters()], whole):
         torch.testing.assert_close(split, reference)
+
+
+def test_the_parameter_check_slots_carry_every_bit_of_a_checksum() -> None:
+    """Checksums (int64, any sign) in fp32 slots, summed over the groups as the all-reduce
+    does: every bit comes back, and a one-bit difference is named."""
+    checksums = {0: -1, 3: 2**63 - 1, 7: -(2**63), 2: 0x0001_0000_FFFF_0001}
+    summed = sum(checksum_slots(c, replica, slot, len(checksums), torch.device("cpu"))
+                 for slot, (replica, c) in enumerate(checksums.items()))
+    words = {r: c & (2**64 - 1) for r, c in checksums.items()}
+    assert read_checksums(summed) == words
+    assert drift_of({0: 5, 1: 5, 2: 5}, 9) is None
+    assert drift_of({2: 5, 0: 5, 1: 4}, 9) == ("replica group checksum mismatch before step 9 "
+                                               "(groups [1] differ from group 0)")
+
+
+def test_the_group_furthest_ahead_sets_what_is_trained() -> None:
+    same, other = {"seed": "0", "optim.lr": "0.1"}, {"seed": "0", "optim.lr": "0.5"}
+    members = [{"replica_id": 0, "step": 3, "config": other},
+               {"replica_id": 1, "step": 5, "config": same},
+               {"replica_id": 2, "step": 5, "config": same}]
+    assert judge(members, 1).others == (0,) and judge(members, 1).refused is None
+    assert judge(members, 0).refused.startswith(
+        "replica group 0 trains something else than replica group 1 (at step 5) under the "
+        "same lighthouse: optim.lr=0.5 here, 0.1 there. ")
+    tie = [{"replica_id": 4, "step": 0, "config": same},
+           {"replica_id": 3, "step": 0, "config": {**other, "model.name": "x" * 99}}]
+    refused = judge(tie, 4).refused  # a tie: the lowest id; a key absent, a long value
+    assert "than replica group 3" in refused and "x" * 41 not in refused
+    assert "model.name=(absent) here, " + "x" * 40 + " there" in refused
+    many = [{"replica_id": 0, "step": 0, "config": {f"k{i}": "a" for i in range(8)}},
+            {"replica_id": 1, "step": 0, "config": {f"k{i}": "b" for i in range(8)}}]
+    assert "; 3 more. Start" in judge(many, 1).refused
+    assert spans([7, 1, 3, 2, 9, 10]) == "1-3, 7, 9-10"
