@@ -203,30 +203,33 @@ def test_a_group_that_trains_something_else_is_refused_at_join(
     """Of three groups, group 2 comes with another seed (the groups would slice two
     permutations), learning rate and batch size: it is refused before it trains or heals,
     with one line naming the keys, exit 2; the other two (whose keys differ only where that
-    does not change what is trained) train together. min_replicas=2 on every group: none
-    trains alone first, so at step 0 the lowest replica id among the quorum's is the
-    reference."""
+    does not change what is trained) train together. min_replicas=2 on every group, and
+    group 2 waiting first: it is in the first quorum the others form, where the lowest
+    replica id is the reference (all at step 0)."""
     wait = ["strategy.fault_tolerance.min_replicas=2", "trainer.max_steps=6",
             "strategy.fault_tolerance.quorum_timeout_seconds=60"]
     extras = [wait, [*wait, "trainer.log_every_steps=3", "checkpoint.interval_steps=3"],
               [*wait, "seed=7", "optim.lr=0.5", "data.global_batch_size=30"]]
-    groups = [start_group(tiny_root, tmp_path, lighthouse, replica, "", groups=3, extra=extra)
-              for replica, extra in enumerate(extras)]
+    groups = {2: start_group(tiny_root, tmp_path, lighthouse, 2, "", groups=3, extra=extras[2])}
+    wait_for(lambda: "waiting up to 60s" in (tmp_path / "group2.log").read_text(),
+             "group 2 to wait for more groups", proc=groups[2])
+    groups.update({replica: start_group(tiny_root, tmp_path, lighthouse, replica, "",
+                                        groups=3, extra=extras[replica]) for replica in (0, 1)})
     out = ended(groups[2], tmp_path, 2)
     assert [e["code"] for e in events_of(tmp_path, 2) if e["kind"] == "exit"] == [2]
     assert "Traceback" not in out.split("error:")[0], out[-3000:]  # torchrun's own follows
     [line] = [line for line in out.splitlines() if "something else" in line]
     assert re.fullmatch(
-        r"error: replica group 2 trains something else than replica group [01] \(at step 0\) "
+        r"error: replica group 2 trains something else than replica group [01] \(at step \d+\) "
         r"under the same lighthouse: data.global_batch_size=30 here, 20 there; optim.lr=0.5 "
         r"here, 0.1 there; seed=7 here, 0 there\. Start every group with the same config "
         r"\(keys that do not change what is trained, such as trainer.max_steps, "
         r"data.num_workers or checkpoint.\*, may differ\)", line), line
     assert not ledger_records(tmp_path / "ledger.jsonl") or all(
         r["world"] == 2 for r in ledger_records(tmp_path / "ledger.jsonl"))
-    outs = [ended(proc, tmp_path, replica) for replica, proc in enumerate(groups[:2])]
-    for proc, out in zip(groups, outs):
-        assert proc.returncode == 0, out[-3000:]
+    outs = [ended(groups[replica], tmp_path, replica) for replica in (0, 1)]
+    for replica, out in enumerate(outs):
+        assert groups[replica].returncode == 0, out[-3000:]
     assert any("replica groups [2] train something else: refused, going on without them"
                in out for out in outs)
     ours, theirs = final_weights(tmp_path, 0), final_weights(tmp_path, 1)

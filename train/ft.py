@@ -168,8 +168,9 @@ def apply_means(model: torch.nn.Module, sums: torch.Tensor) -> None:
 # each exact in fp32, so the sum over the groups (one writer per slot) loses no bit.
 CHECK_SLOT = 5
 # A group that cannot train yet (too few groups, or a peer being refused) asks again after
-# this long, doubling up to the cap: never a busy loop against the lighthouse.
-BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS = 0.1, 2.0
+# this long, doubling up to the cap: never a busy loop against the lighthouse, and back
+# before a lighthouse's join timeout (2 s in the README's example) forms a quorum without it.
+BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS = 0.1, 1.0
 
 
 def checksum_slots(checksum: int, replica_id: int, slot: int, slots: int,
