@@ -240,10 +240,10 @@ def test_a_group_that_trains_something_else_is_refused_at_join(
 
 def test_a_corrupt_group_is_caught_and_every_group_rolls_back(
         tiny_root: Path, tmp_path: Path, lighthouse: str) -> None:
-    """A silent parameter change in group 1 after step 3: the parameter check riding on
-    step 4's all-reduce catches it in both groups, both roll back to step 2 (the newest
-    checkpoint from before the last check they passed) and end with bit-equal weights.
-    Each group has its own train.log and .hydra/latest."""
+    """A silent parameter change in group 1 after step 3: the check of the state after step
+    3, riding on step 4's all-reduce, catches it in both groups; both roll back to step 2
+    (the last state the check matched) and end with bit-equal weights. Each group has its
+    own train.log and .hydra/latest."""
     wait = ["strategy.fault_tolerance.min_replicas=2", "health.replica_check_steps=1",
             "trainer.max_steps=6"]  # min_replicas: both take part from step 1
     groups = [start_group(tiny_root, tmp_path, lighthouse, replica,
@@ -252,7 +252,7 @@ def test_a_corrupt_group_is_caught_and_every_group_rolls_back(
     for replica, proc in enumerate(groups):
         out = ended(proc, tmp_path, replica)
         assert proc.returncode == 0, out[-3000:]
-        assert ("replica group checksum mismatch before step 4 (groups [1] differ from "
+        assert ("replica group checksum mismatch after step 3 (groups [1] differ from "
                 "group 0): rolled back to step 2 (rollback 1") in out, out[-3000:]
         assert "alone" not in out
     ours, theirs = final_weights(tmp_path, 0), final_weights(tmp_path, 1)
@@ -316,7 +316,7 @@ def test_the_parameter_check_slots_carry_every_bit_of_a_checksum() -> None:
     words = {r: c & (2**64 - 1) for r, c in checksums.items()}
     assert read_checksums(summed) == words
     assert drift_of({0: 5, 1: 5, 2: 5}, 9) is None
-    assert drift_of({2: 5, 0: 5, 1: 4}, 9) == ("replica group checksum mismatch before step 9 "
+    assert drift_of({2: 5, 0: 5, 1: 4}, 9) == ("replica group checksum mismatch after step 9 "
                                                "(groups [1] differ from group 0)")
 
 

@@ -26,9 +26,10 @@ What keeps the groups honest with each other:
   forms, and before any heal. The group furthest ahead (at a tie, the lowest replica id)
   sets what is trained; a group that differs from it is refused with one line naming the
   keys (exit 2), and the others go on without it.
-- Every `health.replica_check_steps` steps, each group adds a bit-exact checksum of its
-  parameters to the step's all-reduce (in a slot of its own): groups that no longer agree
-  (silent corruption) all roll back to a checkpoint from before the last check they passed.
+- After every `health.replica_check_steps`-th step, each group adds a bit-exact checksum
+  of its parameters to the next step's all-reduce (in a slot of its own): groups that no
+  longer agree (silent corruption) all roll back to a checkpoint no newer than the last
+  check they passed.
 - A group below `min_replicas` waits for more with back-off, up to
   `quorum_timeout_seconds`, then exits with one line (retryable, exit 1).
 - Steps that a group trained alone, with no other group taking part after them, leave its
@@ -192,10 +193,10 @@ def read_checksums(summed: torch.Tensor) -> Dict[int, int]:
 
 
 def drift_of(checksums: Dict[int, int], step: int) -> Optional[str]:
-    """Why the groups' parameters before `step` do not agree (None: they do)."""
+    """Why the groups' parameters after `step` do not agree (None: they do)."""
     (first, value), *rest = sorted(checksums.items())
     differ = [replica for replica, other in rest if other != value]
-    return (f"replica group checksum mismatch before step {step} (groups {differ} differ "
+    return (f"replica group checksum mismatch after step {step} (groups {differ} differ "
             f"from group {first})" if differ else None)
 
 
@@ -440,8 +441,10 @@ class FaultTolerantReplicas(Replicas):
         step, self._drift = self.position.step + 1, None
         sums, self._samples = weighted_sums(self.model, self._samples), 0
         participants = self.manager.num_participants()
-        checked = self.check_every > 0 and step % self.check_every == 0
-        if checked:  # the parameters before this step, in this group's slot (rank 0's)
+        # The state after step `step - 1`, a multiple of check_every: the state a checkpoint
+        # of that step holds, so a failed check later rolls back to one that passed.
+        checked = self.check_every > 0 and step > 1 and (step - 1) % self.check_every == 0
+        if checked:  # in this group's slot (rank 0's)
             slots = (checksum_slots(int(parameter_checksum(self.model)), self.cfg.replica_id,
                                     int(self.manager.participating_rank()), participants,
                                     sums.device) if self.world.rank == 0
@@ -457,7 +460,7 @@ class FaultTolerantReplicas(Replicas):
                                    f"replica groups ({self.manager.errored() or 'too few'})")
         if checked:
             sums, summed = sums[:-participants * CHECK_SLOT], sums[-participants * CHECK_SLOT:]
-            self._drift = drift_of(read_checksums(summed), step)
+            self._drift = drift_of(read_checksums(summed), step - 1)
             if self._drift is None:
                 self._trusted = step - 1
         if participants == 1 and self.cfg.replica_groups > 1:
