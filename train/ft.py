@@ -51,7 +51,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -273,7 +273,7 @@ class FaultTolerantReplicas(Replicas):
         self._width_since = time.perf_counter()
         self._drift: Optional[str] = None  # the last step's parameter check failed
         self._trusted: Optional[int] = None  # the last step whose state the check matched
-        self._alone: set = set()  # steps trained alone, no other group taking part since
+        self._alone: Set[int] = set()  # steps trained alone, no other group taking part since
         self.degraded_seconds = self.heal_seconds = 0.0
         model.register_forward_pre_hook(self._count)
         _REPLICAS[model] = self
