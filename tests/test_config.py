@@ -277,7 +277,7 @@ def test_a_huge_timeout_or_failure_time_is_refused_at_start(key, huge):
 
 @pytest.mark.parametrize("lighthouse", ["garbage", "", " ", "127.0.0.1:29510", "ftp://h:1",
                                         "http://", "http://h:1/path", "http://h:123456",
-                                        "http://u:s3cret@h:1", "http://h:1\nx"])
+                                        "http://h:1\nx"])
 def test_a_lighthouse_that_is_not_an_http_url_is_refused_at_start(lighthouse):
     """torchft's client took these and failed later as if the lighthouse were down (exit 1,
     retried), or named its own environment variable ('' -> 'TORCHFT_LIGHTHOUSE')."""
@@ -291,6 +291,47 @@ def test_a_lighthouse_that_is_not_an_http_url_is_refused_at_start(lighthouse):
                  "http://lh"):
         cfg.strategy.fault_tolerance.lighthouse = good
         validate(cfg)
+
+
+@pytest.mark.parametrize("lighthouse", ["http://u:s3cret@h:1", "http://s3cret@h:1",
+                                        "https://:s3cret@[::1]:1/", "http://u:s3cret@@h:1",
+                                        "http://u:s3c/ret@h:1", "HTTP://s3cret@h"])
+def test_a_lighthouse_url_with_credentials_says_so(lighthouse):
+    """With its credentials stripped from the message the URL looked fine, and the message
+    said it was "not an http URL"."""
+    cfg = compose_config(["+experiment=resnet", "strategy=ddp_ft"])
+    cfg.strategy.fault_tolerance.lighthouse = lighthouse
+    with pytest.raises(ConfigError, match="^strategy.fault_tolerance.lighthouse=.* holds "
+                                          "credentials .*: the server takes none; give it as "
+                                          "http://HOST:PORT$") as err:
+        validate(cfg)
+    assert "s3cret" not in str(err.value) and "not an http URL" not in str(err.value)
+
+
+@pytest.mark.parametrize("replica_id, groups", [(2, 2), (1, 1), (9, 8)])
+def test_a_replica_id_outside_the_groups_is_refused(replica_id, groups):
+    cfg = compose_config(["+experiment=resnet", "strategy=ddp_ft",
+                          f"strategy.fault_tolerance.replica_id={replica_id}",
+                          f"strategy.fault_tolerance.replica_groups={groups}"])
+    with pytest.raises(ConfigError, match=(
+            f"^strategy.fault_tolerance.replica_id={replica_id} is not one of the "
+            f"replica_groups={groups} groups: give each group an id in 0..{groups - 1}, or "
+            f"raise replica_groups$")):
+        validate(cfg)
+    cfg.strategy.name = "ddp"  # only ddp_ft has replica groups
+    validate(cfg)
+    cfg.strategy.name = "ddp_ft"
+    cfg.strategy.fault_tolerance.replica_id = groups - 1
+    validate(cfg)
+
+
+def test_a_replica_id_outside_the_groups_is_one_line_and_exit_2(tmp_path):
+    result = run_train(["+experiment=resnet", "strategy=ddp_ft", "logger=none",
+                        "strategy.fault_tolerance.replica_id=2"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: strategy.fault_tolerance.replica_id=2 is not one of the replica_groups=2 ")
+    assert "Traceback" not in result.stderr + result.stdout
 
 
 @pytest.mark.parametrize("min_replicas, groups", [(3, 2), (2, 1), (100, 8)])

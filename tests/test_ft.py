@@ -6,10 +6,12 @@ audit ledger shows every sample of every epoch trained exactly once."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import pytest
 import torch
@@ -20,23 +22,33 @@ from data.sampler import split_bounds  # noqa: E402
 from support.launch import finish, free_port, launch, port_open, torchrun, wait_for  # noqa: E402
 from support.ledger import assert_exactly_once, ledger_records, surviving_history  # noqa: E402
 from support.runs import train_args  # noqa: E402
-from train.ft import apply_means, weighted_sums  # noqa: E402
+from train.ft import (apply_means, checksum_slots, drift_of, judge, read_checksums,  # noqa: E402
+                      spans, weighted_sums)
 
 KILLED_AT = 3  # the step whose start, or whose all-reduce, kills group 1
 
 
-@pytest.fixture
-def lighthouse(tmp_path: Path) -> Iterator[str]:
-    """A torchft lighthouse on a free port; a dead replica is noticed after 1 s."""
-    port = free_port()
-    with open(tmp_path / "lighthouse.log", "w") as out:
+def start_lighthouse(port: int, log: Optional[Path] = None,
+                     join_timeout_ms: int = 2000) -> subprocess.Popen:
+    """A torchft lighthouse on 127.0.0.1:`port`, listening once this returns; a dead replica
+    is noticed after 1 s."""
+    with open(log or os.devnull, "w") as out:
         proc = subprocess.Popen([shutil.which("torchft_lighthouse") or "torchft_lighthouse",
                                  "--min_replicas", "1", "--quorum_tick_ms", "100",
-                                 "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "1000",
-                                 "--bind", f"127.0.0.1:{port}"], stdout=out, stderr=out,
-                                start_new_session=True)
+                                 "--join_timeout_ms", str(join_timeout_ms),
+                                 "--heartbeat_timeout_ms", "1000",
+                                 "--bind", f"127.0.0.1:{port}"],
+                                stdout=out, stderr=out, start_new_session=True)
+    wait_for(lambda: port_open(port), "the lighthouse to listen", timeout=30, proc=proc)
+    return proc
+
+
+@pytest.fixture
+def lighthouse(tmp_path: Path) -> Iterator[str]:
+    """A lighthouse for the test, which must outlive it."""
+    port = free_port()
+    proc = start_lighthouse(port, tmp_path / "lighthouse.log")
     try:
-        wait_for(lambda: port_open(port), "the lighthouse to listen", timeout=30, proc=proc)
         yield f"http://127.0.0.1:{port}"
     finally:
         died = proc.poll()
@@ -46,21 +58,22 @@ def lighthouse(tmp_path: Path) -> Iterator[str]:
 
 
 def start_group(tiny_root: Path, run_root: Path, lighthouse: str, replica: int, fault: str,
-                max_restarts: int = 0, groups: int = 2) -> subprocess.Popen:
+                max_restarts: int = 0, groups: int = 2, extra: Sequence[str] = ()
+                ) -> subprocess.Popen:
     args = train_args(tiny_root, run_root, f"strategy.fault_tolerance.lighthouse={lighthouse}",
                       f"strategy.fault_tolerance.replica_id={replica}",
                       f"strategy.fault_tolerance.replica_groups={groups}",
                       "strategy.fault_tolerance.timeout_seconds=10",
                       "strategy.fault_tolerance.quorum_timeout_seconds=5",
-                      "strategy.fault_tolerance.connect_timeout_seconds=5",
+                      "strategy.fault_tolerance.connect_timeout_seconds=5", *extra,
                       strategy="ddp_ft")
     return launch(torchrun(1, max_restarts=max_restarts), args, fault=fault,
                   log=run_root / f"group{replica}.log")
 
 
-def ended(proc: subprocess.Popen, run_root: Path, replica: int) -> str:
+def ended(proc: subprocess.Popen, run_root: Path, replica: int, timeout: float = 180) -> str:
     """Wait for group `replica`'s torchrun job; what it wrote to its log."""
-    finish(proc, timeout=180)
+    finish(proc, timeout=timeout)
     return (run_root / f"group{replica}.log").read_text()
 
 
@@ -139,6 +152,14 @@ def test_a_group_alone_trains_the_whole_global_batch(tiny_root: Path, tmp_path: 
     group = start_group(tiny_root, tmp_path, lighthouse, 0, fault)
     out = ended(group, tmp_path, 0)
     assert group.returncode == 0, out[-3000:]
+    # Its own log and Hydra record, in its own directory (as its checkpoints and timeline).
+    assert not (tmp_path / "r" / "train.log").exists()
+    assert "replica group 0 joined" in (tmp_path / "r" / "replica_0" / "train.log").read_text()
+    assert (tmp_path / "r" / "replica_0" / ".hydra" / "latest" / "config.yaml").exists()
+    # Its final weights are its own, which it says once, and the goodput report too.
+    assert out.count("replica group 0 trained steps 1-12 alone, and no other group took part "
+                     "after them") == 1, out[-3000:]
+    assert "trained alone at the end: steps 1-12 (no other replica group" in out
     if fault:
         with pytest.raises(AssertionError):
             assert_exactly_once(tmp_path / "ledger.jsonl")
@@ -155,11 +176,8 @@ def test_without_the_lighthouse_the_groups_stop_and_resume_from_checkpoints(
     assert group.returncode == 1, out[-3000:]
     assert f"error: cannot join the torchft lighthouse at {address}" in out
     # The lighthouse comes back mid-run, dies, comes back: the checkpoint path takes over.
-    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1",
-                                   "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lighthouse = start_lighthouse(port, join_timeout_ms=1000)
     try:
-        wait_for(lambda: port_open(port), "the lighthouse to listen", timeout=30)
         group = start_group(tiny_root, tmp_path, address, 0, "", groups=1)
         ledger = tmp_path / "ledger.jsonl"
         wait_for(lambda: (tmp_path / "r" / "checkpoints" / "replica_0").exists() and any(
@@ -169,11 +187,7 @@ def test_without_the_lighthouse_the_groups_stop_and_resume_from_checkpoints(
         out = ended(group, tmp_path, 0)
         assert group.returncode == 1, out[-3000:]
         assert f"error: no quorum from the torchft lighthouse at {address}" in out
-        lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1",
-                                       "--join_timeout_ms", "1000",
-                                       "--bind", f"127.0.0.1:{port}"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: port_open(port), "the lighthouse to listen again", timeout=30)
+        lighthouse = start_lighthouse(port, join_timeout_ms=1000)
         group = start_group(tiny_root, tmp_path, address, 0, "", groups=1)
         out = ended(group, tmp_path, 0)
         assert group.returncode == 0, out[-3000:]
@@ -182,6 +196,94 @@ def test_without_the_lighthouse_the_groups_stop_and_resume_from_checkpoints(
         lighthouse.wait()
     assert "resume" in kinds(tmp_path, 0)
     assert_exactly_once(ledger)
+
+
+def test_a_group_that_trains_something_else_is_refused_at_join(
+        tiny_root: Path, tmp_path: Path, lighthouse: str) -> None:
+    """Of three groups, group 2 comes with another seed (the groups would slice two
+    permutations), learning rate and batch size: it is refused before it trains or heals,
+    with one line naming the keys, exit 2; the other two (whose keys differ only where that
+    does not change what is trained) train together. min_replicas=2 on every group, and
+    group 2 waiting first: it is in the first quorum the others form, where the lowest
+    replica id is the reference (all at step 0)."""
+    wait = ["strategy.fault_tolerance.min_replicas=2", "trainer.max_steps=6",
+            "strategy.fault_tolerance.quorum_timeout_seconds=60"]
+    extras = [wait, [*wait, "trainer.log_every_steps=3", "checkpoint.interval_steps=3"],
+              [*wait, "seed=7", "optim.lr=0.5", "data.global_batch_size=30"]]
+    groups = {2: start_group(tiny_root, tmp_path, lighthouse, 2, "", groups=3, extra=extras[2])}
+    wait_for(lambda: "waiting up to 60s" in (tmp_path / "group2.log").read_text(),
+             "group 2 to wait for more groups", proc=groups[2])
+    groups.update({replica: start_group(tiny_root, tmp_path, lighthouse, replica, "",
+                                        groups=3, extra=extras[replica]) for replica in (0, 1)})
+    out = ended(groups[2], tmp_path, 2)
+    assert [e["code"] for e in events_of(tmp_path, 2) if e["kind"] == "exit"] == [2]
+    assert "Traceback" not in out.split("error:")[0], out[-3000:]  # torchrun's own follows
+    [line] = [line for line in out.splitlines() if "something else" in line]
+    assert re.fullmatch(
+        r"error: replica group 2 trains something else than replica group [01] \(at step \d+\) "
+        r"under the same lighthouse: data.global_batch_size=30 here, 20 there; optim.lr=0.5 "
+        r"here, 0.1 there; seed=7 here, 0 there\. Start every group with the same config "
+        r"\(keys that do not change what is trained, such as trainer.max_steps, "
+        r"data.num_workers or checkpoint.\*, may differ\)", line), line
+    assert not ledger_records(tmp_path / "ledger.jsonl") or all(
+        r["world"] == 2 for r in ledger_records(tmp_path / "ledger.jsonl"))
+    outs = [ended(groups[replica], tmp_path, replica) for replica in (0, 1)]
+    for replica, out in enumerate(outs):
+        assert groups[replica].returncode == 0, out[-3000:]
+    assert any("replica groups [2] train something else: refused, going on without them"
+               in out for out in outs)
+    ours, theirs = final_weights(tmp_path, 0), final_weights(tmp_path, 1)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert_exactly_once(tmp_path / "ledger.jsonl", epochs=1)
+    assert {r["world"] for r in ledger_records(tmp_path / "ledger.jsonl")} == {2}
+
+
+def test_a_corrupt_group_is_caught_and_every_group_rolls_back(
+        tiny_root: Path, tmp_path: Path, lighthouse: str) -> None:
+    """A silent parameter change in group 1 after step 3: the check of the state after step
+    3, riding on step 4's all-reduce, catches it in both groups; both roll back to step 2
+    (the last state the check matched) and end with bit-equal weights. Each group has its
+    own train.log and .hydra/latest."""
+    wait = ["strategy.fault_tolerance.min_replicas=2", "health.replica_check_steps=1",
+            "trainer.max_steps=6"]  # min_replicas: both take part from step 1
+    groups = [start_group(tiny_root, tmp_path, lighthouse, replica,
+                          "corrupt:step=3" if replica else "", extra=wait)
+              for replica in (0, 1)]
+    for replica, proc in enumerate(groups):
+        out = ended(proc, tmp_path, replica)
+        assert proc.returncode == 0, out[-3000:]
+        assert ("replica group checksum mismatch after step 3 (groups [1] differ from "
+                "group 0): rolled back to step 2 (rollback 1") in out, out[-3000:]
+        assert "alone" not in out
+    ours, theirs = final_weights(tmp_path, 0), final_weights(tmp_path, 1)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert_exactly_once(tmp_path / "ledger.jsonl", epochs=1)
+    run_dir = tmp_path / "r"
+    assert not (run_dir / "train.log").exists() and not (run_dir / ".hydra").exists()
+    for replica in (0, 1):
+        log = (run_dir / f"replica_{replica}" / "train.log").read_text()
+        assert f"replica group {replica} joined" in log
+        assert f"replica group {1 - replica} joined" not in log
+        latest = run_dir / f"replica_{replica}" / ".hydra" / "latest"
+        assert f"replica_id={replica}" in (latest / "overrides.yaml").read_text()
+
+
+def test_a_lone_group_below_min_replicas_waits_then_exits_with_one_line(
+        tiny_root: Path, tmp_path: Path, lighthouse: str) -> None:
+    """min_replicas=2 and no second group: it used to redo step 1 thousands of times a
+    minute, for ever. It waits, backing off, for quorum_timeout_seconds, then exits 1."""
+    group = start_group(tiny_root, tmp_path, lighthouse, 0, "",
+                        extra=["strategy.fault_tolerance.min_replicas=2",
+                               "strategy.fault_tolerance.quorum_timeout_seconds=3"])
+    out = ended(group, tmp_path, 0, timeout=90)
+    assert group.returncode == 1, out[-3000:]
+    [line] = [line for line in out.splitlines() if line.startswith("error:")]
+    assert line == ("error: 1 of strategy.fault_tolerance.min_replicas=2 replica groups for 3s "
+                    "(strategy.fault_tolerance.quorum_timeout_seconds): start the missing "
+                    "groups, or lower strategy.fault_tolerance.min_replicas; this group "
+                    "resumes from its checkpoint when run again")
+    assert out.count("waiting up to 3s for a quorum that can train") == 1
+    assert "did not commit" not in out and not ledger_records(tmp_path / "ledger.jsonl")
 
 
 def test_weighted_sums_give_the_whole_batch_mean_however_it_is_split() -> None:
@@ -203,3 +305,36 @@ def test_weighted_sums_give_the_whole_batch_mean_however_it_is_split() -> None:
     apply_means(model, sum(addends(*split_bounds(20, p, 3)) for p in range(3)))
     for split, reference in zip([p.grad for p in model.parameters()], whole):
         torch.testing.assert_close(split, reference)
+
+
+def test_the_parameter_check_slots_carry_every_bit_of_a_checksum() -> None:
+    """Checksums (int64, any sign) in fp32 slots, summed over the groups as the all-reduce
+    does: every bit comes back, and a one-bit difference is named."""
+    checksums = {0: -1, 3: 2**63 - 1, 7: -(2**63), 2: 0x0001_0000_FFFF_0001}
+    summed = sum(checksum_slots(c, replica, slot, len(checksums), torch.device("cpu"))
+                 for slot, (replica, c) in enumerate(checksums.items()))
+    words = {r: c & (2**64 - 1) for r, c in checksums.items()}
+    assert read_checksums(summed) == words
+    assert drift_of({0: 5, 1: 5, 2: 5}, 9) is None
+    assert drift_of({2: 5, 0: 5, 1: 4}, 9) == ("replica group checksum mismatch after step 9 "
+                                               "(groups [1] differ from group 0)")
+
+
+def test_the_group_furthest_ahead_sets_what_is_trained() -> None:
+    same, other = {"seed": "0", "optim.lr": "0.1"}, {"seed": "0", "optim.lr": "0.5"}
+    members = [{"replica_id": 0, "step": 3, "config": other},
+               {"replica_id": 1, "step": 5, "config": same},
+               {"replica_id": 2, "step": 5, "config": same}]
+    assert judge(members, 1).others == (0,) and judge(members, 1).refused is None
+    assert judge(members, 0).refused.startswith(
+        "replica group 0 trains something else than replica group 1 (at step 5) under the "
+        "same lighthouse: optim.lr=0.5 here, 0.1 there. ")
+    tie = [{"replica_id": 4, "step": 0, "config": same},
+           {"replica_id": 3, "step": 0, "config": {**other, "model.name": "x" * 99}}]
+    refused = judge(tie, 4).refused  # a tie: the lowest id; a key absent, a long value
+    assert "than replica group 3" in refused and "x" * 41 not in refused
+    assert "model.name=(absent) here, " + "x" * 40 + " there" in refused
+    many = [{"replica_id": 0, "step": 0, "config": {f"k{i}": "a" for i in range(8)}},
+            {"replica_id": 1, "step": 0, "config": {f"k{i}": "b" for i in range(8)}}]
+    assert "; 3 more. Start" in judge(many, 1).refused
+    assert spans([7, 1, 3, 2, 9, 10]) == "1-3, 7, 9-10"

@@ -35,7 +35,7 @@ from train.faults import FaultHook, Faults
 from train.ft import NO_REPLICAS, FaultTolerantReplicas, Replicas, check_plan, replica_dir
 from train.goodput import Goodput
 from train.health import HealthMonitor, HealthState, Watchdog
-from train.launch import use_node_local_dirs
+from train.launch import replica_dir_name, use_node_local_dirs
 from train.loop import Learner, LoopPlan, fit
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
@@ -99,7 +99,7 @@ def give_replica_group_its_checkpoints(cfg: DictConfig) -> None:
     checkpoint.dir (and of the staging dir): groups never share a directory, so no group's
     retention can take another's save in flight for a dead trainer's leftovers."""
     ft = cfg.strategy.fault_tolerance
-    cfg.checkpoint.dir = f"{str(cfg.checkpoint.dir).rstrip('/')}/replica_{ft.replica_id}"
+    cfg.checkpoint.dir = f"{str(cfg.checkpoint.dir).rstrip('/')}/{replica_dir_name(ft.replica_id)}"
     if cfg.checkpoint.staging_dir:
         cfg.checkpoint.staging_dir = str(replica_dir(Path(cfg.checkpoint.staging_dir), ft))
 
@@ -184,7 +184,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
                                                             StrategyName.ddp_ft))
     replicas = (FaultTolerantReplicas(cfg.strategy.fault_tolerance, world, device,
                                       learner.model, learner.optimizer, learner.scheduler,
-                                      health_state, faults) if in_band else NO_REPLICAS)
+                                      health_state, faults, training_config(cfg),
+                                      cfg.health.replica_check_steps if cfg.health.enabled
+                                      else 0) if in_band else NO_REPLICAS)
     return Job(plan, learner, loader_at, val_loader, info, health, checkpointer, card,
                replicas)
 

@@ -202,17 +202,21 @@ class Checkpointer:
         self.schedule.saved(position.step, self.stall_seconds, self.manager.last_save_seconds)
         return self.stall_seconds
 
-    def roll_back(self) -> Optional[Restored]:
-        """The newest complete checkpoint, loaded into the live state (None: there is none)."""
+    def roll_back(self, at_most: Optional[int] = None) -> Optional[Restored]:
+        """The newest complete checkpoint (at step `at_most` or before, when given), loaded
+        into the live state (None: there is none)."""
         self.manager.wait()  # a save in flight holds a good, newer state: let it land
         self._record_landed()
-        return self._load_newest()
+        return self._load_newest(at_most=at_most)
 
-    def _load_newest(self, check_run: Callable[[], None] = lambda: None) -> Optional[Restored]:
-        """Try complete checkpoints newest first: the run header loads first (partially: a
-        checkpoint older than a header key keeps the live value) and `check_run` may refuse
-        it; then everything else."""
+    def _load_newest(self, check_run: Callable[[], None] = lambda: None,
+                     at_most: Optional[int] = None) -> Optional[Restored]:
+        """Try complete checkpoints newest first (none after step `at_most`): the run header
+        loads first (partially: a checkpoint older than a header key keeps the live value)
+        and `check_run` may refuse it; then everything else."""
         for step, saved_world in self.manager.complete_checkpoints():
+            if at_most is not None and step > at_most:
+                continue
             began = time.perf_counter()
             if not self.manager.load(step, {"run": self.components["run"]}, partial=True):
                 continue

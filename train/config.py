@@ -154,6 +154,18 @@ def http_url(default: str) -> Any:
 
 HTTP_URL = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[^/\s:\[\]@]+)(:\d{1,5})?/?")
 
+def _check_http_url(key: str, text: str) -> None:
+    shown = ascii(strip_credentials(text)[:80])
+    if strip_credentials(text) != text:
+        # Said apart: with the credentials stripped from the message, the URL shown would
+        # look well-formed next to "not an http URL".
+        raise ConfigError(f"{key}={shown} holds credentials (not shown): the server takes "
+                          f"none; give it as http://HOST:PORT")
+    if not HTTP_URL.fullmatch(text):
+        raise ConfigError(f"{key}={shown} is not an http URL: give the server as "
+                          f"http://HOST:PORT")
+
+
 MAX_DIR_NAME = 200  # file systems allow 255 bytes; leave room for a suffix
 
 
@@ -191,9 +203,8 @@ def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -
         if spec.metadata.get("place") and str(cfg[spec.name]).strip() == "":
             raise ConfigError(f"{key}={ascii(str(cfg[spec.name]))} is empty: name a directory "
                               f"(. for the working directory)")
-        if spec.metadata.get("http_url") and not HTTP_URL.fullmatch(str(cfg[spec.name])):
-            raise ConfigError(f"{key}={ascii(strip_credentials(str(cfg[spec.name]))[:80])} is "
-                              f"not an http URL: give the server as http://HOST:PORT")
+        if spec.metadata.get("http_url"):
+            _check_http_url(key, str(cfg[spec.name]))
         problem = spec.metadata.get("dir_name") and _dir_name_problem(cfg[spec.name])
         if problem:
             raise ConfigError(f"{key}={ascii(strip_credentials(str(cfg[spec.name]))[:80])} "
@@ -206,6 +217,18 @@ def validate(cfg: DictConfig, schema: Optional[type] = None, prefix: str = "") -
             if item is not None and not bounds.allows(item):
                 finite = "" if math.isfinite(item) else "a finite number "
                 raise ConfigError(f"{key}={value} is out of range: it must be {finite}{bounds}")
+    if schema is Config:
+        check_replica_group(cfg)
+
+
+def check_replica_group(cfg: DictConfig) -> None:
+    """ddp_ft: this group's id must be one of the planned groups' (it names the group's
+    directories and its slot in the lighthouse's quorum)."""
+    ft = cfg.strategy.fault_tolerance
+    if cfg.strategy.name == StrategyName.ddp_ft and ft.replica_id >= ft.replica_groups:
+        raise ConfigError(f"strategy.fault_tolerance.replica_id={ft.replica_id} is not one of "
+                          f"the replica_groups={ft.replica_groups} groups: give each group an "
+                          f"id in 0..{ft.replica_groups - 1}, or raise replica_groups")
 
 
 # Overrides that change how a run is executed or observed but not what it trains: they are
@@ -313,9 +336,10 @@ class FaultToleranceConfig:
     replica_id: int = bounded(0, ge=0)
     # The width the job is meant to run at: fewer participants count as degraded time
     replica_groups: int = bounded(2, ge=1)
-    # Below this many participating groups a step does not commit (it waits and is redone)
+    # Below this many participating groups no step is trained: the group waits for more
     min_replicas: int = bounded(1, ge=1)
-    # A quorum (and a first join, while peers start) gives up after this long
+    # A quorum (and a first join, while peers start), or the wait for min_replicas groups,
+    # gives up after this long
     quorum_timeout_seconds: float = bounded(60.0, gt=0, le=MAX_TIMEOUT_SECONDS)
     # Cross-group collectives and the copy of a healthy peer's state when rejoining
     timeout_seconds: float = bounded(30.0, gt=0, le=MAX_TIMEOUT_SECONDS)
@@ -437,7 +461,7 @@ class HealthConfig:
     # Spikes are only judged once the window holds this many losses
     min_history: int = bounded(10, ge=1)
     max_rollbacks: int = bounded(3, ge=0)  # per process lifetime; one more bad step fails the run
-    # DDP: compare a parameter checksum across ranks; 0 = off
+    # DDP: compare a parameter checksum across ranks (ddp_ft: and across groups); 0 = off
     replica_check_steps: int = bounded(100, ge=0)
     # A rank with no progress for this long dumps stacks and exits; 0 = no watchdog.
     hang_seconds: float = bounded(600.0, ge=0, le=MAX_TIMEOUT_SECONDS)

@@ -58,6 +58,8 @@ KINDS: Dict[str, Dict[str, type]] = {
     # strategy=ddp_ft: this replica group copied a healthy peer's state, `step` -> `to_step`
     "heal": {"step": int, "to_step": int, "seconds": float},
     "regroup": {"step": int, "participants": int},  # ddp_ft: step's replica groups changed
+    # ddp_ft, at the end: the steps this group trained alone, no other group taking part since
+    "alone": {"steps": str, "count": int},
     "exit": {"code": int},
 }
 OPTIONAL: Dict[str, Dict[str, type]] = {"fault": {"step": int}, "start": {"host": str}}

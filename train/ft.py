@@ -18,6 +18,23 @@ exact, which torchft's own sampler does not (it drops a dead group's batches):
   in the all-reduce) raises `StepNotCommitted`; the loop redoes it under the next quorum,
   re-split. The audit ledger records a step only once it committed.
 
+What keeps the groups honest with each other:
+
+- Groups train together only if they train the same thing: whenever the quorum's members
+  change, every participant publishes its training config (what the run identity covers,
+  `train.checkpoint.training_config`) through the quorum's store before the process group
+  forms, and before any heal. The group furthest ahead (at a tie, the lowest replica id)
+  sets what is trained; a group that differs from it is refused with one line naming the
+  keys (exit 2), and the others go on without it.
+- After every `health.replica_check_steps`-th step, each group adds a bit-exact checksum
+  of its parameters to the next step's all-reduce (in a slot of its own): groups that no
+  longer agree (silent corruption) all roll back to a checkpoint no newer than the last
+  check they passed.
+- A group below `min_replicas` waits for more with back-off, up to
+  `quorum_timeout_seconds`, then exits with one line (retryable, exit 1).
+- Steps that a group trained alone, with no other group taking part after them, leave its
+  final weights its own: said at the end in one warning, and in the goodput report.
+
 Each group keeps its own run directory and checkpoints (`<run dir>/replica_<id>/`): a whole-job
 failure (every group, or the lighthouse) resumes each group from its own newest checkpoint,
 and the first quorum then heals the groups behind from the one furthest ahead. Only this
@@ -26,14 +43,15 @@ module imports torchft (the optional `ft` extra).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,8 +61,9 @@ from train.config import FaultToleranceConfig
 from train.distributed import World
 from train.errors import ConfigError, TrainingError
 from train.faults import FaultHook
-from train.health import HealthState
-from train.state import Position, SchedulerState
+from train.health import HealthState, parameter_checksum
+from train.launch import replica_dir_name
+from train.state import Position, SchedulerState, changed_keys
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +105,15 @@ class Replicas:
         writer's own)."""
         return {}
 
+    def drift(self) -> Optional[str]:
+        """Why the replica groups' parameters no longer agree, found in the step just
+        trained (None: they agree, or were not compared)."""
+        return None
+
+    def trusted_step(self) -> Optional[int]:
+        """The newest step a rollback may go back to (None: any checkpoint)."""
+        return None
+
     def metrics(self) -> Dict[str, float]:
         return {}
 
@@ -102,7 +130,7 @@ def replicas_of(model: torch.nn.Module) -> Optional["FaultTolerantReplicas"]:
 
 def replica_dir(run_dir: Path, cfg: FaultToleranceConfig) -> Path:
     """A replica group's own run directory: its lock, timeline, goodput and health files."""
-    return run_dir / f"replica_{cfg.replica_id}"
+    return run_dir / replica_dir_name(cfg.replica_id)
 
 
 def weighted_sums(model: torch.nn.Module, samples: int) -> torch.Tensor:
@@ -136,17 +164,106 @@ def apply_means(model: torch.nn.Module, sums: torch.Tensor) -> None:
                 t.copy_(piece / total)
 
 
+# The parameter check's part of a step's all-reduce: a slot per participant holding its
+# replica id + 1 (0: nobody wrote the slot) and its parameter checksum in four 16-bit pieces,
+# each exact in fp32, so the sum over the groups (one writer per slot) loses no bit.
+CHECK_SLOT = 5
+# A group that cannot train yet (too few groups, or a peer being refused) asks again after
+# this long, doubling up to the cap: never a busy loop against the lighthouse, and back
+# before a lighthouse's join timeout (2 s in the README's example) forms a quorum without it.
+BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS = 0.1, 1.0
+
+
+def checksum_slots(checksum: int, replica_id: int, slot: int, slots: int,
+                   device: torch.device) -> torch.Tensor:
+    """A participant's addend to the parameter check: zeros but for its own `slot`."""
+    word = checksum & (2**64 - 1)
+    out = torch.zeros(slots * CHECK_SLOT, device=device)
+    out[slot * CHECK_SLOT:(slot + 1) * CHECK_SLOT] = torch.tensor(
+        [replica_id + 1] + [(word >> (16 * i)) & 0xFFFF for i in range(4)],
+        dtype=torch.float32)
+    return out
+
+
+def read_checksums(summed: torch.Tensor) -> Dict[int, int]:
+    """{replica id: its parameter checksum} from the summed slots."""
+    rows = summed.view(-1, CHECK_SLOT).to(torch.int64).tolist()
+    return {row[0] - 1: sum(piece << (16 * i) for i, piece in enumerate(row[1:]))
+            for row in rows}
+
+
+def drift_of(checksums: Dict[int, int], step: int) -> Optional[str]:
+    """Why the groups' parameters after `step` do not agree (None: they do)."""
+    (first, value), *rest = sorted(checksums.items())
+    differ = [replica for replica, other in rest if other != value]
+    return (f"replica group checksum mismatch after step {step} (groups {differ} differ "
+            f"from group {first})" if differ else None)
+
+
+class GroupsDisagree(RuntimeError):
+    """Raised in torchft's quorum thread: the quorum's groups do not train the same thing."""
+
+
+def _not_our_refusal(record: logging.LogRecord) -> bool:
+    """A filter for torchft's manager log: the refusal is said in one line by this module;
+    torchft's traceback of it would bury that line."""
+    return not (record.exc_info and isinstance(record.exc_info[1], GroupsDisagree))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a quorum's participants learnt from comparing what they train."""
+
+    refused: Optional[str] = None  # why this group may not train with the others
+    others: Tuple[int, ...] = ()  # the replica ids of the groups refused
+
+
+def judge(members: List[Dict[str, Any]], me: int) -> Verdict:
+    """The group furthest ahead (at a tie, the lowest replica id) sets what is trained:
+    every member (`replica_id`, `step`, `config`) whose config differs from its is refused."""
+    reference = max(members, key=lambda m: (m["step"], -m["replica_id"]))
+    odd = [m for m in members if m["config"] != reference["config"]]
+    mine = next(m for m in members if m["replica_id"] == me)
+    if mine not in odd:
+        return Verdict(others=tuple(m["replica_id"] for m in odd))
+    keys = changed_keys(reference["config"], mine["config"])
+    shown = "; ".join(f"{k}={str(mine['config'].get(k, '(absent)'))[:40]} here, "
+                      f"{str(reference['config'].get(k, '(absent)'))[:40]} there"
+                      for k in keys[:5]) + (f"; {len(keys) - 5} more" if len(keys) > 5 else "")
+    return Verdict(refused=(
+        f"replica group {me} trains something else than replica group "
+        f"{reference['replica_id']} (at step {reference['step']}) under the same lighthouse: "
+        f"{shown}. Start every group with the same config (keys that do not change what is "
+        f"trained, such as trainer.max_steps, data.num_workers or checkpoint.*, may differ)"))
+
+
+def spans(steps: List[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out: List[List[int]] = []
+    for step in sorted(steps):
+        if out and step == out[-1][1] + 1:
+            out[-1][1] = step
+        else:
+            out.append([step, step])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
+
+
 class FaultTolerantReplicas(Replicas):
-    """This trainer's membership of the replica groups, through a torchft `Manager`."""
+    """This trainer's membership of the replica groups, through a torchft `Manager`.
+    `identity`: what this group trains (compared with every peer's before training with
+    it); `check_every`: compare parameters across the groups every this many steps (0:
+    never)."""
 
     def __init__(self, cfg: FaultToleranceConfig, world: World, device: torch.device,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, health: HealthState,
-                 faults: FaultHook) -> None:
+                 faults: FaultHook, identity: Dict[str, str], check_every: int) -> None:
         self.cfg, self.world, self.model, self.faults = cfg, world, model, faults
         self.optimizer, self.scheduler, self.health = optimizer, scheduler, health
+        self.identity, self.check_every = identity, check_every
         self.position = Position()
-        self.manager = connect(cfg, world, device, self._state, self._load)
+        self._verdict: Optional[Verdict] = None  # of the last quorum that formed a group
+        self.manager = connect(cfg, world, device, self._state, self._load, self._agree)
         self._samples = 0  # trained by this trainer since the last gradient average
         self._healed: Optional[Position] = None
         self._quorum_done = False  # the next step's quorum already ran (in `join`)
@@ -154,6 +271,9 @@ class FaultTolerantReplicas(Replicas):
         self._stale = False
         self._width: Optional[int] = None
         self._width_since = time.perf_counter()
+        self._drift: Optional[str] = None  # the last step's parameter check failed
+        self._trusted: Optional[int] = None  # the last step whose state the check matched
+        self._alone: Set[int] = set()  # steps trained alone, no other group taking part since
         self.degraded_seconds = self.heal_seconds = 0.0
         model.register_forward_pre_hook(self._count)
         _REPLICAS[model] = self
@@ -181,24 +301,38 @@ class FaultTolerantReplicas(Replicas):
         return None
 
     def _quorum(self, position: Position) -> None:
-        """One quorum: wait for the lighthouse's agreement on who takes part in the next
-        step; if this group is behind, copy a healthy peer's state (torchft heals here)."""
+        """Quorums until one can train: wait for the lighthouse's agreement on who takes
+        part in the next step; if this group is behind, copy a healthy peer's state (torchft
+        heals here). Too few groups, or a peer being refused: ask again, backing off, up to
+        `quorum_timeout_seconds`."""
         self.position = position
         if self.manager.current_step() != position.step:  # a resume or rollback moved us
             self.manager.load_state_dict({"step": position.step,
                                           "batches_committed": self.manager.batches_committed()})
         began = time.perf_counter()
-        try:
-            self.manager.start_quorum()
-        except Exception as err:  # the lighthouse is gone, or no quorum within the timeout
-            raise TrainingError(
-                f"no quorum from the torchft lighthouse at {self.cfg.lighthouse} within "
-                f"{self.cfg.quorum_timeout_seconds:g}s ({str(err).splitlines()[0][:200]}): "
-                f"restart the lighthouse; this group resumes from its checkpoint when run "
-                f"again") from None
+        waiting_since, delay = None, BACKOFF_FIRST_SECONDS
+        while True:
+            self._start_quorum()
+            waiting = self._why_not_train()
+            if waiting is None:
+                break
+            now = time.perf_counter()
+            if waiting_since is None:
+                waiting_since = now
+                log.warning("step %d: %s: waiting up to %gs for a quorum that can train",
+                            position.step + 1, waiting, self.cfg.quorum_timeout_seconds)
+            elif now - waiting_since > self.cfg.quorum_timeout_seconds:
+                raise TrainingError(
+                    f"{waiting} for {self.cfg.quorum_timeout_seconds:g}s "
+                    f"(strategy.fault_tolerance.quorum_timeout_seconds): start the missing "
+                    f"groups, or lower strategy.fault_tolerance.min_replicas; this group "
+                    f"resumes from its checkpoint when run again")
+            time.sleep(delay)
+            delay = min(2 * delay, BACKOFF_MAX_SECONDS)
         if self._healed is not None:
             seconds = time.perf_counter() - began
             self.heal_seconds += seconds
+            self._alone.clear()  # this group's own steps are gone: it holds a peer's state
             log.warning("replica group %d healed from a healthy peer: step %d -> %d in %.2fs",
                         self.cfg.replica_id, position.step, self._healed.step, seconds)
             events.record("heal", step=position.step, to_step=self._healed.step,
@@ -207,6 +341,53 @@ class FaultTolerantReplicas(Replicas):
         self._note_width(self.manager.num_participants())
         self.faults.at("quorum", participants=self.manager.num_participants(),
                        replica_groups=self.cfg.replica_groups)
+
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except Exception as err:  # the lighthouse is gone, or no quorum within the timeout
+            raise TrainingError(
+                f"no quorum from the torchft lighthouse at {self.cfg.lighthouse} within "
+                f"{self.cfg.quorum_timeout_seconds:g}s ({str(err).splitlines()[0][:200]}): "
+                f"restart the lighthouse; this group resumes from its checkpoint when run "
+                f"again") from None
+
+    def _why_not_train(self) -> Optional[str]:
+        """Why the quorum just agreed cannot train (None: it can). Raises `ConfigError` if
+        this group trains something else than the others."""
+        verdict = self._verdict  # kept until a new quorum forms a group: a refusal too
+        if verdict is not None and verdict.refused:
+            raise ConfigError(verdict.refused)
+        if verdict is not None and verdict.others:
+            return (f"replica group(s) {list(verdict.others)} train something else and are "
+                    f"refused (each says which keys differ)")
+        participants = self.manager.num_participants()
+        if participants < self.cfg.min_replicas:
+            return (f"{participants} of strategy.fault_tolerance.min_replicas="
+                    f"{self.cfg.min_replicas} replica groups")
+        return None
+
+    def _agree(self, store_address: str, rank: int, world_size: int) -> None:
+        """In torchft's quorum thread, as the quorum's members change, before the group of
+        the participants forms and before any heal: publish what this group trains through
+        the quorum's store, read every participant's, and judge. Raising here makes torchft
+        drop this quorum (no heal, no collective); `_why_not_train` then says why."""
+        from torchft.process_group import create_store_client
+
+        self._verdict = None
+        store = create_store_client(f"{store_address}/goodput_identity",
+                                    timeout=timedelta(seconds=self.cfg.timeout_seconds))
+        store.set(str(rank), json.dumps({"replica_id": self.cfg.replica_id,
+                                         "step": self.manager.current_step(),
+                                         "config": self.identity}))
+        members = [json.loads(store.get(str(r))) for r in range(world_size)]
+        verdict = judge(members, self.cfg.replica_id)
+        if verdict.refused or verdict.others:
+            self._verdict = verdict
+            if verdict.others:
+                log.warning("replica groups %s train something else: refused, going on "
+                            "without them", list(verdict.others))
+            raise GroupsDisagree(verdict.refused or f"refusing replica groups {verdict.others}")
 
     def _note_width(self, participants: int) -> None:
         """Account the time since the last quorum as degraded if fewer groups than
@@ -257,16 +438,43 @@ class FaultTolerantReplicas(Replicas):
         self.average_gradients()
 
     def average_gradients(self) -> None:
+        step, self._drift = self.position.step + 1, None
         sums, self._samples = weighted_sums(self.model, self._samples), 0
+        participants = self.manager.num_participants()
+        # The state after step `step - 1`, a multiple of check_every: the state a checkpoint
+        # of that step holds, so a failed check later rolls back to one that passed.
+        checked = self.check_every > 0 and step > 1 and (step - 1) % self.check_every == 0
+        if checked:  # in this group's slot (rank 0's)
+            slots = (checksum_slots(int(parameter_checksum(self.model)), self.cfg.replica_id,
+                                    int(self.manager.participating_rank()), participants,
+                                    sums.device) if self.world.rank == 0
+                     else torch.zeros(participants * CHECK_SLOT, device=sums.device))
+            sums = torch.cat([sums, slots])
         if self.world.world_size > 1:  # this group's ranks first, then across the groups
             dist.all_reduce(sums)
         # Peers may already wait in the all-reduce for this trainer's part.
-        self.faults.at("allreduce", step=self.position.step + 1)
+        self.faults.at("allreduce", step=step)
         self.manager.allreduce(sums, reduce_op=dist.ReduceOp.SUM).wait()
         if not self.manager.should_commit():
-            raise StepNotCommitted(f"step {self.position.step + 1} did not commit across the "
+            raise StepNotCommitted(f"step {step} did not commit across the "
                                    f"replica groups ({self.manager.errored() or 'too few'})")
+        if checked:
+            sums, summed = sums[:-participants * CHECK_SLOT], sums[-participants * CHECK_SLOT:]
+            self._drift = drift_of(read_checksums(summed), step - 1)
+            if self._drift is None:
+                self._trusted = step - 1
+        if participants == 1 and self.cfg.replica_groups > 1:
+            self._alone.add(step)
+        else:  # another group holds this state too now
+            self._alone.clear()
         apply_means(self.model, sums)
+
+    def drift(self) -> Optional[str]:
+        return self._drift
+
+    def trusted_step(self) -> Optional[int]:
+        """After a failed parameter check: the last step whose state every group held."""
+        return self._trusted if self._drift else None
 
     # -- what a healing peer copies -------------------------------------------------------
 
@@ -288,13 +496,37 @@ class FaultTolerantReplicas(Replicas):
                 "ft/participants": float(self._width or 0)}
 
     def close(self) -> None:
+        """At the end of the run: say if this group's last steps were its alone."""
+        if self._alone:
+            steps = spans(sorted(self._alone))
+            log.warning("replica group %d trained steps %s alone, and no other group took "
+                        "part after them: its final weights are its own (other groups' "
+                        "model_final.pt differ)", self.cfg.replica_id, steps)
+            events.record("alone", steps=steps, count=len(self._alone))
         self.manager.shutdown(wait=False)
 
 
+def checked(base: type, agree: Callable[[str, int, int], None]) -> type:
+    """The torchft process group `base`, calling `agree(store address, replica rank,
+    replica world size)` each time it is configured for a new quorum, before it connects.
+    torchft configures it before any heal, and takes what `agree` raises as the quorum's
+    error (no heal, no collective in that quorum)."""
+
+    class Checked(base):  # type: ignore[misc, valid-type]
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                      *args: Any, **kwargs: Any) -> None:
+            agree(store_addr, rank, world_size)
+            super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+
+    return Checked
+
+
 def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
-            state_dict: Any, load_state_dict: Any) -> Any:
+            state_dict: Any, load_state_dict: Any,
+            agree: Callable[[str, int, int], None]) -> Any:
     """A torchft `Manager` for this trainer: it reaches the lighthouse (group rank 0) and the
-    store torchrun hosts (or init_world's, outside torchrun)."""
+    store torchrun hosts (or init_world's, outside torchrun). `agree` judges every new
+    quorum's members (`checked`)."""
     try:
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
@@ -302,9 +534,10 @@ def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
     except ImportError as err:
         raise ConfigError(f"strategy=ddp_ft needs torchft ({err}): pip install -e '.[ft]'"
                           ) from None
+    logging.getLogger("torchft.manager").addFilter(_not_our_refusal)
     timeout = timedelta(seconds=cfg.timeout_seconds)
-    pg = (ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
-          else ProcessGroupGloo(timeout=timeout))
+    pg = checked(ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo,
+                 agree)(timeout=timeout)
     try:
         return Manager(
             pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
@@ -315,7 +548,7 @@ def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
             timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_seconds),
             connect_timeout=timedelta(seconds=cfg.connect_timeout_seconds),
             rank=world.rank, world_size=world.world_size, lighthouse_addr=cfg.lighthouse,
-            replica_id=f"replica_{cfg.replica_id}",
+            replica_id=replica_dir_name(cfg.replica_id),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
     except Exception as err:  # torchft raises plain RuntimeErrors from its Rust client
         raise TrainingError(

@@ -50,13 +50,28 @@ LAUNCH_ID = f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}"
 LATEST_RECORD = "latest"
 
 
+def replica_dir_name(replica_id: int) -> str:
+    """strategy=ddp_ft: the directory of a replica group inside the run's (and inside its
+    checkpoint and staging dirs): its log files, Hydra record, lock, timeline."""
+    return f"replica_{replica_id}"
+
+
+def _replica_subdir(strategy: object, replica_id: int) -> str:
+    """'/replica_<id>' under strategy=ddp_ft (every group is its own job, with a log and a
+    Hydra record of its own), else ''."""
+    return f"/{replica_dir_name(replica_id)}" if getattr(strategy, "value",
+                                                          strategy) == "ddp_ft" else ""
+
+
 def register_resolvers() -> None:
     """`${goodput.on_rank_zero:VALUE}` (VALUE on rank 0, else null),
-    `${goodput.rank_suffix:}` ('' on rank 0, else `_rank<R>`) and `${goodput.launch_id:}`
-    (`LAUNCH_ID`); safe to call more than once."""
+    `${goodput.rank_suffix:}` ('' on rank 0, else `_rank<R>`), `${goodput.launch_id:}`
+    (`LAUNCH_ID`) and `${goodput.replica_subdir:STRATEGY,REPLICA_ID}`; safe to call more
+    than once."""
     resolvers = {"goodput.on_rank_zero": lambda value: None if _rank() else value,
                  "goodput.rank_suffix": lambda: f"_rank{_rank()}" if _rank() else "",
-                 "goodput.launch_id": lambda: LAUNCH_ID}
+                 "goodput.launch_id": lambda: LAUNCH_ID,
+                 "goodput.replica_subdir": _replica_subdir}
     for name, resolver in resolvers.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)

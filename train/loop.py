@@ -125,14 +125,16 @@ def fit(learner: Learner, loader_at: Callable[[Position], torch.utils.data.DataL
                 position = advance(learner, position, plan)
                 goodput.step_done(step, data_wait, stall=0.0)
                 continue
-            outcome = run_step(learner, micro_batches, plan, step, health, preemption, faults)
+            outcome = run_step(learner, micro_batches, plan, step, health, preemption, faults,
+                               replicas)
             if outcome.redo:  # ddp_ft: a replica group failed during the step
                 log.warning("%s: redoing it with the groups that are left", outcome.redo)
                 replicas.redo()
                 goodput.rolled_back(step, step - 1, time.perf_counter())  # its time is lost
                 continue
             if outcome.problem:
-                position = roll_back(outcome, step, health, checkpointer, tracker, goodput)
+                position = roll_back(outcome, step, health, checkpointer, tracker, goodput,
+                                     replicas.trusted_step())
                 loader, window = loader_at(position), Window()
                 batches = iter(loader)
                 continue
@@ -157,9 +159,10 @@ def fit(learner: Learner, loader_at: Callable[[Position], torch.utils.data.DataL
 
 def run_step(learner: Learner, micro_batches: List[Batch], plan: LoopPlan, step: int,
              health: HealthMonitor, preemption: PreemptionFlag,
-             faults: FaultHook) -> StepOutcome:
+             faults: FaultHook, replicas: Replicas = NO_REPLICAS) -> StepOutcome:
     """Train `step`, then judge it: the health checks' all-reduce also carries this rank's
-    stop request, so every rank agrees on both verdicts."""
+    stop request, so every rank agrees on both verdicts (ddp_ft: every group too, on the
+    parameter check, which rode on the step's own all-reduce)."""
     faults.at("step", step=step)
     try:
         loss, grad_norm = train_step(learner.model, learner.optimizer, micro_batches, plan)
@@ -170,7 +173,8 @@ def run_step(learner: Learner, micro_batches: List[Batch], plan: LoopPlan, step:
     faults.at("stepped", step=step, model=learner.model)
     bad_batch, stop = health.check_step(step, loss, grad_norm, preemption.requested())
     # Only a bad batch is skipped: replica drift is not the data's fault.
-    drift = None if bad_batch else health.check_replicas(step, learner.model)
+    drift = None if bad_batch else (health.check_replicas(step, learner.model)
+                                    or replicas.drift())
     return StepOutcome(loss, bad_batch or drift, bool(bad_batch), stop)
 
 
@@ -238,15 +242,16 @@ def stop_for_preemption(step: int, preemption: PreemptionFlag,
 
 def roll_back(outcome: StepOutcome, step: int, health: HealthMonitor,
               checkpointer: Optional[Checkpointer], tracker: NullTracker,
-              goodput: Goodput) -> Position:
-    """Every rank: back to the newest complete checkpoint, with `step`'s global batch
-    skipped from now on if it was the data's fault. Returns the restored position."""
+              goodput: Goodput, at_most: Optional[int] = None) -> Position:
+    """Every rank: back to the newest complete checkpoint (at step `at_most` or before,
+    when given), with `step`'s global batch skipped from now on if it was the data's fault.
+    Returns the restored position."""
     began = time.perf_counter()
     health.count_rollback()  # fails the run past health.max_rollbacks
     if outcome.skip_batch:
         health.skip(step)
     skipped = f"; step {step}'s global batch is skipped" if outcome.skip_batch else ""
-    restored = checkpointer.roll_back() if checkpointer else None
+    restored = checkpointer.roll_back(at_most) if checkpointer else None
     if restored is None:
         raise TrainingError(f"{outcome.problem}, and no checkpoint to roll back to: run the "
                             f"same command again (torchrun --max-restarts does it by itself)"

@@ -230,6 +230,11 @@ def table(run: Run) -> str:
                  f"failed, {c.cut_short} cut short   failures {failures}"
                  + (f" ({kinds})" if kinds else ""))
     lines.append(status(run))
+    alone = [e for attempt in run.attempts for e in attempt.of("alone")]
+    if alone:  # strategy=ddp_ft (train/ft.py)
+        lines.append(f"trained alone at the end: steps {alone[-1]['steps']} (no other replica "
+                     f"group took part in them or after them: this group's final weights are "
+                     f"its own)")
     if run.events.skipped or run.events.truncated:
         lines.append(f"{EVENTS_FILE}: {run.events.skipped} unreadable line(s) skipped"
                      + ("; stopped reading at 1,000,000 lines" if run.events.truncated else ""))
