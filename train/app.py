@@ -74,7 +74,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     start = job_start()
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device, cfg.trainer.deterministic)
-    with catch_preemption() as preemption:  # from here on a signal stops at a checkpoint
+    with catch_preemption(cfg.trainer.stop_signals) as preemption:  # from here on a signal stops at a checkpoint
         world = init_world(device, cfg.strategy.timeout_seconds,
                            cfg.strategy.init_timeout_seconds)
         try:
