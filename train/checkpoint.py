@@ -14,6 +14,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from checkpointing import plan
+from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from data.redact import strip_credentials
@@ -234,9 +235,10 @@ class Checkpointer:
                 continue
             self.faults.at("loaded", state=loaded)
             position = read_position(loaded, self.identity)
-            if position.step != step:
-                raise ConfigError(f"checkpoint step_{step:09d} records step {position.step}: "
-                                  f"it was not written by this trainer")
+            try:
+                check_step(step_dir_name(step), position.step, step)
+            except ClaimMismatch as err:
+                raise ConfigError(str(err)) from None
             if resized and "rng" in self.components:
                 self.components["rng"].rederive(self.cfg.seed, step)
             self.schedule.last_save_step = step
