@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing import commit
 from checkpointing.claims import ClaimMismatch, check_model, check_step, tensor_schema
-from checkpointing.manager import one_line
+from checkpointing.manager import one_line, quiet_single_process_dcp
 from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store, StoreUnavailable
@@ -117,9 +117,8 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
     if STEP_KEY in metadata.state_dict_metadata:
         state[STEP_KEY] = None
     try:
-        with warnings.catch_warnings():
-            # Loading in one process without a process group is the intent here.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with warnings.catch_warnings():  # loading in one process is the intent here
+            quiet_single_process_dcp()
             dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)),
                      planner=SafeLoadPlanner(), no_dist=True)
     except (CheckpointException, UnsafeCheckpointError) as err:

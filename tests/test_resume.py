@@ -167,6 +167,7 @@ def test_checkpoints_that_verify_but_do_not_fit_the_changed_config_are_never_cal
         f"keys changed since they were saved: optim.momentum: set them back, or use a new "
         f"run.name (the checkpoints are intact: keep them)"], out
     assert "remove them" not in out
+    assert "torch.distributed is disabled" not in out  # single-process loads on purpose
     checkpoints = Store(str(tmp_path / "r" / "checkpoints"))
     assert [step for step, _ in commit.find_complete(checkpoints)] == [2, 1]
 

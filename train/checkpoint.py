@@ -85,6 +85,7 @@ class CheckpointSchedule:
         self.saves: Deque[float] = deque(maxlen=self.WINDOW)
         self.steps: Deque[float] = deque(maxlen=self.WINDOW)
         self.last_save_step = start_step  # a resumed run is at a checkpoint already
+        self.hopeless = False  # said once that no interval can help
         self.last_time = time.perf_counter()
 
     def due(self, step: int, final: bool) -> bool:
@@ -112,9 +113,18 @@ class CheckpointSchedule:
         (one save at a time: a sooner one would wait for it, blocking the loop)."""
         stall, save, step = (statistics.median(m) for m in (self.stalls, self.saves, self.steps))
         step = max(step, 1e-9)
+        if why := plan.hopeless(save, self.mtbf_seconds):
+            if not self.hopeless:  # once: it does not change from save to save
+                log.warning("checkpoint.auto_interval: %s (checkpoint.mtbf_hours=%g): keeping "
+                            "%d steps; give the job's real MTBF, or make saves faster "
+                            "(checkpoint.async_mode)", why, self.mtbf_seconds / 3600,
+                            self.interval)
+            self.hopeless = True
+            return
         optimum = plan.exact_optimum(max(stall, 1e-6), self.mtbf_seconds)
         pick = max(1, math.ceil(max(optimum, save) / step))
-        if abs(pick - self.interval) <= self.CHANGE * self.interval:
+        # One step is the finest move there is: 1 <-> 2 is not worth a line at every save
+        if abs(pick - self.interval) <= max(self.CHANGE * self.interval, 1):
             return
         self.interval = pick
         goodput = plan.exact_goodput(pick * step, stall, self.restart_seconds, self.mtbf_seconds)
