@@ -222,3 +222,22 @@ def test_a_signal_left_out_of_stop_signals_keeps_its_default_action():
 def test_stop_signals_takes_only_the_names_it_can_catch(value):
     with pytest.raises(Exception, match="stop_signals"):
         compose_config(["+experiment=resnet", f"trainer.stop_signals={value}"])
+
+
+def test_a_launchers_own_handler_runs_once_the_checkpoint_is_committed():
+    """submitit handles SIGUSR2 itself (it requeues the job, then exits): the trainer saves
+    first, then hands the signal on."""
+    proc = signalled("def requeue(signum, frame):\n"
+                     "    print('requeued on', signal.Signals(signum).name, flush=True)\n"
+                     "    raise SystemExit(255)\n"
+                     "signal.signal(signal.SIGUSR2, requeue)\n"
+                     "try:\n"
+                     "    with catch_preemption() as flag:\n"
+                     "        os.kill(os.getpid(), signal.SIGUSR2)\n"
+                     "        time.sleep(0.2)\n"
+                     "        print('committed', flush=True)\n"
+                     "        raise Preempted(flag.signal_name, 3, saved=True)\n"
+                     "except Preempted as stopped:\n"
+                     "    stopped.hand_on()\n")
+    assert proc.returncode == 255, proc.stderr
+    assert proc.stdout.splitlines() == ["committed", "requeued on SIGUSR2"], proc.stdout

@@ -65,6 +65,7 @@ def run(cfg: DictConfig) -> Dict[str, float]:
             raise SystemExit(code) from None
         except Preempted as stopped:
             log.warning("%s", stopped)
+            stopped.hand_on()  # a launcher's own handler for the signal (submitit: requeue)
             raise SystemExit(EXIT_PREEMPTED) from None
 
 

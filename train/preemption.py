@@ -18,6 +18,9 @@ exits at once with one line. After training (the process is on its way out) one 
 the run's own exit status stands; a later run of the same process (a multirun's next job)
 starts with the notice, so it stops at its first step boundary.
 
+A launcher that handles one of these signals itself (submitit requeues the job on SIGUSR2)
+still does: its handler runs once the checkpoint is committed.
+
 Under torchrun, a rank whose agent dies (of a signal the agent does not handle, or killed)
 gets SIGTERM from the kernel (Linux's parent-death signal) and stops the same way.
 """
@@ -31,7 +34,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from types import FrameType
-from typing import Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from train.errors import EXIT_PREEMPTED
 
@@ -54,11 +57,19 @@ class Preempted(Exception):
 
     def __init__(self, signal_name: str, step: int, saved: bool) -> None:
         self.signal_name, self.step, self.saved = signal_name, step, saved
+        self.handed_on: Optional[Callable[[int, Optional[FrameType]], Any]] = None
         what = (f"checkpoint step {step} is committed" if saved else
                 f"no checkpoint was saved (checkpoint.enabled=false): step {step}'s work is "
                 f"lost")
         super().__init__(f"preempted by {signal_name} at step {step}: {what}; run the same "
                          f"command again to resume (exit code {EXIT_PREEMPTED}: requeue)")
+
+    def hand_on(self) -> None:
+        """Once the checkpoint is committed, run the handler that a launcher installed for
+        this signal before the trainer did (submitit's SIGUSR2 handler requeues the job, and
+        exits); nothing when there was none."""
+        if self.handed_on is not None:
+            self.handed_on(signal.Signals[self.signal_name], None)
 
 
 def signals_named(names: Sequence[str]) -> list:
@@ -136,13 +147,25 @@ def catch_preemption(names: Sequence[str] = DEFAULT_STOP_SIGNALS) -> Iterator[Pr
     for sig in signals_named(DEFAULT_STOP_SIGNALS):
         if sig not in chosen:
             signal.signal(sig, signal.SIG_DFL)
+    launchers = {sig: handler for sig in chosen if _foreign(handler := signal.getsignal(sig))}
     for sig in chosen:
         signal.signal(sig, flag._handle)
     try:
         yield flag
+    except Preempted as stopped:
+        if stopped.signal_name in signal.Signals.__members__:
+            stopped.handed_on = launchers.get(signal.Signals[stopped.signal_name])
+        raise
     finally:
         for sig in chosen:
             signal.signal(sig, _after_training)
+
+
+def _foreign(handler: Any) -> bool:
+    """A Python handler someone else installed (a launcher's), not a default or ours."""
+    return (callable(handler) and handler not in (signal.default_int_handler, _before_training,
+                                                   _after_training)
+            and not isinstance(getattr(handler, "__self__", None), PreemptionFlag))
 
 
 def _die_of(signum: int) -> None:
