@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -52,10 +53,18 @@ SINGLE_PROCESS_WARNING = (r"torch\.distributed is disabled, unavailable or unini
                           r"assuming the intent is to (save|load) in a single process\.")
 
 
+# The same as a -W option: what multiprocessing passes on to the processes it spawns
+# (`checkpoint.async_mode=process` saves in one). A literal prefix of both messages.
+SINGLE_PROCESS_OPTION = ("ignore:torch.distributed is disabled, unavailable or uninitialized, "
+                         "assuming the intent is to:UserWarning")
+
+
 def quiet_single_process_dcp() -> None:
-    """Silence that one warning (and no other) for the single-process DCP calls we make;
-    repeated calls keep a single filter."""
+    """Silence that one warning (and no other) for the single-process DCP calls we make,
+    here and in the saver process DCP spawns; repeated calls keep a single filter."""
     warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
+    if SINGLE_PROCESS_OPTION not in sys.warnoptions:
+        sys.warnoptions.append(SINGLE_PROCESS_OPTION)
 
 
 class CheckpointError(RuntimeError):

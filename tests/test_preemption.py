@@ -220,8 +220,10 @@ def test_a_signal_left_out_of_stop_signals_keeps_its_default_action():
 
 @pytest.mark.parametrize("value", ["[SIGKILL]", "[sigterm]", "SIGTERM", "[9]"])
 def test_stop_signals_takes_only_the_names_it_can_catch(value):
+    chosen = compose_config(["trainer.stop_signals=[SIGTERM,SIGUSR2]"]).trainer.stop_signals
+    assert [s.value for s in chosen] == ["SIGTERM", "SIGUSR2"]
     with pytest.raises(Exception, match="stop_signals"):
-        compose_config(["+experiment=resnet", f"trainer.stop_signals={value}"])
+        compose_config([f"trainer.stop_signals={value}"])
 
 
 def test_a_launchers_own_handler_runs_once_the_checkpoint_is_committed():
@@ -241,3 +243,14 @@ def test_a_launchers_own_handler_runs_once_the_checkpoint_is_committed():
                      "    stopped.hand_on()\n")
     assert proc.returncode == 255, proc.stderr
     assert proc.stdout.splitlines() == ["committed", "requeued on SIGUSR2"], proc.stdout
+
+
+def test_a_signal_the_process_was_started_ignoring_stays_ignored():
+    """`nohup python -m train ...` must survive the terminal's hang-up, as it always did."""
+    proc = signalled("signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does\n"
+                     "catch_start_up(os.getppid())\n"
+                     "with catch_preemption() as flag:\n"
+                     "    os.kill(os.getpid(), signal.SIGHUP)\n"
+                     "    time.sleep(0.2)\n"
+                     "    print(flag.requested(), flush=True)\n")
+    assert (proc.returncode, proc.stdout.split()) == (0, ["False"]), proc.stderr

@@ -18,7 +18,8 @@ exits at once with one line. After training (the process is on its way out) one 
 the run's own exit status stands; a later run of the same process (a multirun's next job)
 starts with the notice, so it stops at its first step boundary.
 
-A launcher that handles one of these signals itself (submitit requeues the job on SIGUSR2)
+A signal the process was started with ignored (`nohup` ignores SIGHUP) stays ignored. A
+launcher that handles one of these signals itself (submitit requeues the job on SIGUSR2)
 still does: its handler runs once the checkpoint is committed.
 
 Under torchrun, a rank whose agent dies (of a signal the agent does not handle, or killed)
@@ -126,7 +127,7 @@ def catch_start_up(parent_pid: int) -> None:
     training routes them to a flag. Under torchrun also ask the kernel for a SIGTERM when
     the agent (`parent_pid`, read before any import) dies, so that a dead agent's workers
     stop at a checkpoint instead of training on unsupervised."""
-    for sig in signals_named(DEFAULT_STOP_SIGNALS):
+    for sig in _not_ignored(DEFAULT_STOP_SIGNALS):
         signal.signal(sig, _before_training)
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
         # The kernel sends it as each of the agent's threads exits: a repeat, which changes
@@ -143,9 +144,9 @@ def catch_preemption(names: Sequence[str] = DEFAULT_STOP_SIGNALS) -> Iterator[Pr
     notice that came between runs of this process is already set."""
     global _pending
     flag, _pending = PreemptionFlag(_pending), None
-    chosen = signals_named(names)
+    chosen = _not_ignored(names)
     for sig in signals_named(DEFAULT_STOP_SIGNALS):
-        if sig not in chosen:
+        if sig not in chosen and signal.getsignal(sig) in (_before_training, _after_training):
             signal.signal(sig, signal.SIG_DFL)
     launchers = {sig: handler for sig in chosen if _foreign(handler := signal.getsignal(sig))}
     for sig in chosen:
@@ -159,6 +160,12 @@ def catch_preemption(names: Sequence[str] = DEFAULT_STOP_SIGNALS) -> Iterator[Pr
     finally:
         for sig in chosen:
             signal.signal(sig, _after_training)
+
+
+def _not_ignored(names: Sequence[str]) -> list:
+    """The signals of `names` this process does not ignore: one it was started with ignored
+    (nohup's SIGHUP) stays ignored, as whoever started it asked."""
+    return [sig for sig in signals_named(names) if signal.getsignal(sig) != signal.SIG_IGN]
 
 
 def _foreign(handler: Any) -> bool:
