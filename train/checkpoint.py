@@ -311,11 +311,12 @@ def _typed(value: Optional[str]) -> str:
 def unfit_checkpoints(cfg: DictConfig, steps: List[int], changed: List[str]) -> ConfigError:
     """Complete, verified checkpoints of this run that do not load into its state: the
     config changed under them (never a reason to delete them)."""
+    where = strip_credentials(str(cfg.checkpoint.dir))
     what = (f"config keys changed since they were saved: {', '.join(changed)[:300]}: set "
-            f"them back, or use a new run.name" if changed else
-            "no config key changed: resume them with the trainer version that wrote them")
+            f"them back, or use a new run.name (the checkpoints are intact: keep them)"
+            if changed else
+            f"no config key changed, so the warnings above say why: `python -m "
+            f"checkpointing.verify {where}` re-checks them")
     return ConfigError(f"cannot resume {cfg.run.name}: {len(steps)} complete checkpoint(s) in "
-                       f"{strip_credentials(str(cfg.checkpoint.dir))} (steps "
-                       f"{', '.join(map(str, steps[:5]))}) verify but do not load into this "
-                       f"run's state (see the warnings above); {what} (the checkpoints are "
-                       f"intact: keep them)")
+                       f"{where} (steps {', '.join(map(str, steps[:5]))}) verify but do not "
+                       f"load into this run's state (see the warnings above); {what}")
