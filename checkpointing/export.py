@@ -11,7 +11,10 @@ safetensors metadata; `read_model_card(OUT)` reads it from either.
 
 The checkpoint is verified against its commit markers first (an incomplete or altered one
 is refused), and loading never executes code from it: `.metadata` goes through the
-restricted unpickler and the tensors are read into tensors allocated here.
+restricted unpickler and the tensors are read into tensors allocated here. What resume
+checks, export checks too (checkpointing.claims): the step recorded inside is the one the
+directory names, and the model tensors (names, shapes, dtypes) are those the model card
+recorded, so re-signed markers over other files are refused.
 
 Exit code 0 when OUT is written; 2, with one line on stderr, when CKPT is missing, holds no
 complete checkpoint or an unsafe one, or OUT cannot be written.
@@ -40,7 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing import commit
-from checkpointing.manager import one_line
+from checkpointing.claims import ClaimMismatch, check_model, check_step, tensor_schema
+from checkpointing.manager import one_line, quiet_single_process_dcp
 from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store, StoreUnavailable
@@ -49,6 +53,7 @@ from common.files import atomic_file
 MODEL_KEY = "model"
 # The checkpoint's record of the model card (train/app.py): JSON in the `run` header
 CARD_KEY = "run.config.model_card"
+STEP_KEY = "trainer.step"  # the step the trainer recorded (train/state.py)
 
 log = logging.getLogger("checkpointing.export")
 
@@ -109,16 +114,32 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
                              for k, v in entries.items()}
     if CARD_KEY in metadata.state_dict_metadata:
         state[CARD_KEY] = ""
+    if STEP_KEY in metadata.state_dict_metadata:
+        state[STEP_KEY] = None
     try:
-        with warnings.catch_warnings():
-            # Loading in one process without a process group is the intent here.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with warnings.catch_warnings():  # loading in one process is the intent here
+            quiet_single_process_dcp()
             dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)),
                      planner=SafeLoadPlanner(), no_dist=True)
     except (CheckpointException, UnsafeCheckpointError) as err:
         raise ExportError(f"loading {checkpoint_dir} failed: {one_line(err)}") from None
     card = card_of(state.pop(CARD_KEY), checkpoint_dir) if CARD_KEY in state else None
+    check_claims(checkpoint_dir, state.pop(STEP_KEY, None), card,
+                 {k[len(prefix):]: (v.size, v.properties.dtype) for k, v in entries.items()})
     return with_model_card({k[len(prefix):]: v for k, v in state.items()}, card)
+
+
+def check_claims(checkpoint_dir: Path, recorded_step: Any, card: Optional[Dict[str, Any]],
+                 entries: Dict[str, Tuple[Any, torch.dtype]]) -> None:
+    """What resume checks too (checkpointing.claims): the step recorded inside is the one
+    the directory names, and the model tensors are those the model card recorded."""
+    try:
+        if match := commit.STEP_DIR.match(checkpoint_dir.name):
+            check_step(checkpoint_dir.name, recorded_step, int(match.group(1)))
+        if card is not None:
+            check_model(checkpoint_dir.name, card, tensor_schema(entries))
+    except ClaimMismatch as err:
+        raise ExportError(str(err)) from None
 
 
 def card_of(text: Any, checkpoint_dir: Path) -> Dict[str, Any]:

@@ -83,6 +83,14 @@ def first_order_goodput(work: float, stall: float, restart: float, mtbf: float) 
     return 1 / (1 + stall / work + restart / mtbf)
 
 
+def hopeless(save: float, mtbf: float) -> Optional[str]:
+    """Why no checkpoint interval can help (a save of at least twice the MTBF), or None."""
+    if save >= 2 * mtbf:
+        return (f"a save of {duration(save)} is at least twice the MTBF ({duration(mtbf)}): "
+                f"the job would fail more often than it saves")
+    return None
+
+
 def exact_optimum(stall: float, mtbf: float) -> float:
     """The interval that maximizes `exact_goodput` (restart-independent): golden-section
     search over (0, M], where the goodput is unimodal and the optimum lies."""
@@ -368,11 +376,8 @@ def measures_of(args: argparse.Namespace) -> Measures:
     m = Measures(positive("--stall-seconds", stall), positive("--restart-seconds", restart),
                  mtbf, positive("--async-stall-seconds", async_stall),
                  positive("--step-seconds", step))
-    if m.stall >= 2 * m.mtbf:
-        raise PlanError(f"a save of {duration(m.stall)} is at least twice the MTBF "
-                        f"({duration(m.mtbf)}): the job would fail more often than it "
-                        f"saves; make saves faster (checkpoint.async_mode) or the job "
-                        f"smaller")
+    if why := hopeless(m.stall, m.mtbf):
+        raise PlanError(f"{why}; make saves faster (checkpoint.async_mode) or the job smaller")
     return m
 
 

@@ -156,10 +156,14 @@ def leave_the_process_group(worker_id: int) -> None:
     middle of the step the main process finishes before it saves. In a group of its own a
     worker hears neither; it ends when the loader shuts it down, or by itself once its parent
     is gone. The parent's signal handlers, inherited through fork, go back to the defaults
-    that multiprocessing's own shutdown (SIGTERM) relies on."""
+    that multiprocessing's own shutdown (SIGTERM) relies on; the other signals that ask the
+    trainer to stop (a lost terminal, a time limit's warning, which SLURM sends to every
+    process of a step) are the main process's to act on, so a worker ignores them."""
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGHUP", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def eval_batches(dataset_size: int, batch_size: int, rank: int = 0,

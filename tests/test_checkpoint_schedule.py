@@ -49,9 +49,37 @@ def test_auto_interval_is_the_exact_models_optimum(monkeypatch):
 
 def test_auto_interval_is_never_shorter_than_a_save_takes(monkeypatch):
     clock = Clock(monkeypatch)
-    schedule = CheckpointSchedule(cfg(auto_interval=True, mtbf_hours=1e-4), start_step=0)
+    schedule = CheckpointSchedule(cfg(auto_interval=True, mtbf_hours=0.01), start_step=0)
     train_and_save(schedule, clock, steps=10, step_seconds=0.1, stall=0.01, save=30.0)
     assert schedule.interval == 300  # 30 s of background save at 0.1 s a step
+
+
+def test_a_hopeless_mtbf_is_said_once_with_the_planners_reason(monkeypatch, caplog):
+    """A save of at least twice the MTBF: the planner refuses it, and the schedule says so
+    once and keeps its interval, instead of a line at every save flipping between 1 and 2."""
+    clock = Clock(monkeypatch)
+    schedule = CheckpointSchedule(cfg(auto_interval=True, mtbf_hours=1e-6), start_step=0)
+    with caplog.at_level(logging.INFO, logger="train.checkpoint"):
+        for i in range(12):  # step times jitter around the save's duration
+            train_and_save(schedule, clock, steps=schedule.interval,
+                           step_seconds=0.01 * (1 + i % 2), stall=0.005, save=0.015)
+    lines = [r.getMessage() for r in caplog.records if r.name == "train.checkpoint"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("checkpoint.auto_interval: a save of ") and \
+        "is at least twice the MTBF" in lines[0], lines
+    assert schedule.interval == 10
+
+
+def test_adjacent_intervals_of_one_or_two_steps_are_not_a_change(monkeypatch, caplog):
+    clock = Clock(monkeypatch)
+    schedule = CheckpointSchedule(cfg(auto_interval=True, interval_steps=1, mtbf_hours=0.1),
+                                  start_step=0)
+    with caplog.at_level(logging.INFO, logger="train.checkpoint"):
+        for i in range(12):  # the save's duration is one step or two
+            train_and_save(schedule, clock, steps=1, step_seconds=1.0, stall=0.001,
+                           save=1.0 + 0.9 * (i % 2))
+    assert [r for r in caplog.records if r.name == "train.checkpoint"] == []
+    assert schedule.interval == 1
 
 
 def test_auto_interval_settles_past_an_outlier_and_logs_changes_only(monkeypatch, caplog):

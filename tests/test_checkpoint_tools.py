@@ -8,6 +8,7 @@ training loop; one test exports the checkpoint of a real `python -m train` run.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -22,11 +23,15 @@ import torch.nn.functional as F
 import torchvision
 from safetensors.torch import load_file
 
-from checkpointing import export, verify
+from checkpointing import commit, export, verify
+from checkpointing.claims import SCHEMA_KEY, schema_of_state
 from checkpointing.manager import CheckpointManager, CheckpointOptions
+from checkpointing.safe_load import load_metadata
+from checkpointing.storage import Store
 from support.checkpoints import flip_byte
 from support.launch import PYTHON, run, run_train
 from support.runs import tiny_overrides
+from support.tiny_job import rewrite_marker
 from train.state import ModelState, OptimizerState, RNGState
 
 STEP_2, STEP_4 = "step_000000002", "step_000000004"
@@ -159,7 +164,8 @@ def test_export_never_runs_a_planted_metadata_pickle(ckpt_dir, tmp_path, capsys)
     assert side_effect.is_dir()
 
 
-def test_export_picks_the_newest_complete_step_not_names_or_times(trained, ckpt_dir, tmp_path):
+def test_export_picks_the_newest_complete_step_not_names_or_times(trained, ckpt_dir, tmp_path,
+                                                                 capsys):
     weights = trained[1]
     # step 9: the highest step and the last name, a copy of step 2 that claims to be step 9.
     step_9 = Path(shutil.copytree(ckpt_dir / STEP_2, ckpt_dir / "step_000000009"))
@@ -171,9 +177,10 @@ def test_export_picks_the_newest_complete_step_not_names_or_times(trained, ckpt_
             os.utime(path, (path.stat().st_atime, path.stat().st_mtime + 1000 - age))
 
     out = tmp_path / "model.pt"
-    # The control: while intact, step 9 is a complete checkpoint and wins.
-    assert export.main([str(ckpt_dir), str(out)]) == 0
-    assert torch.equal(logits(read_export(out)), logits(weights[2]))
+    # The control: while intact, step 9 is a complete checkpoint and is picked; it records
+    # step 2 inside, so it is refused rather than exported as step 9.
+    assert export.main([str(ckpt_dir), str(out)]) == 2
+    assert "checkpoint step_000000009 records step 2" in capsys.readouterr().err
 
     flip_byte(step_9 / "__0_0.distcp")
     assert export.main([str(ckpt_dir), str(out)]) == 0
@@ -185,6 +192,8 @@ def test_export_of_a_training_run_loads_into_torchvision(tmp_path, tiny_root):
                         "trainer.max_steps=4", "checkpoint.interval_steps=2",
                         f"run.root={tmp_path}", "run.name=r"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    # One process saves without a process group on purpose: DCP's warning about it is noise
+    assert "torch.distributed is disabled" not in result.stdout + result.stderr
     final = torch.load(tmp_path / "r" / "model_final.pt", weights_only=True)
     out = tmp_path / "model.safetensors"
     assert export.main([str(tmp_path / "r" / "checkpoints"), str(out)]) == 0
@@ -203,3 +212,76 @@ def test_a_model_card_that_is_not_a_json_object_is_refused_in_one_line(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "model card" in err and err.count("\n") == 1
     assert not (tmp_path / "out.pt").exists()
+
+
+def carded_checkpoints(root: Path) -> int:
+    """Steps 15 and 20 of a small model, each with the model card the trainer records (its
+    tensors included) and the trainer's step; the number of model tensors."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    model(torch.zeros(1, 3, 6, 6))
+    card = {"model": "small", "num_classes": 2, SCHEMA_KEY: schema_of_state(model.state_dict())}
+    manager = CheckpointManager(CheckpointOptions(dir=str(root), async_mode="off"))
+    for step in (15, 20):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        manager.save(step, {"model": ModelState(model), "trainer": {"step": step},
+                            "run": {"config": {"model_card": json.dumps(card)}}})
+    manager.close()
+    return len(model.state_dict())
+
+
+def drop_two_model_keys(root: Path) -> None:
+    def forge(metadata) -> None:
+        for key in ("model.0.bias", "model.3.bias"):
+            del metadata.state_dict_metadata[key]
+    forge_metadata(root / STEP_20, forge)
+
+
+def make_a_weight_int32(root: Path) -> None:
+    def forge(metadata) -> None:
+        metadata.state_dict_metadata["model.0.weight"].properties.dtype = torch.int32
+    forge_metadata(root / STEP_20, forge)
+
+
+def put_step_15_in_step_20(root: Path) -> None:
+    shutil.rmtree(root / STEP_20)
+    shutil.copytree(root / "step_000000015", root / STEP_20)
+    (root / STEP_20 / "commit_rank_0.json").unlink()
+    rewrite_marker(root / STEP_20)
+
+
+def forge_metadata(step_dir: Path, forge) -> None:
+    """`.metadata` changed by `forge`, and the marker re-signed, as an attacker would."""
+    metadata = load_metadata(io.BytesIO((step_dir / ".metadata").read_bytes()))
+    forge(metadata)
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite_marker(step_dir)
+
+
+STEP_20 = "step_000000020"
+
+
+@pytest.mark.parametrize("tamper, error", [
+    (drop_two_model_keys, "holds {n2} model tensors where its model card records {n}: it "
+                          "is not the model it was saved as"),
+    (make_a_weight_int32, "holds {n} model tensors as its model card records, but other "
+                          "names, shapes or dtypes: it is not the model it was saved as"),
+    (put_step_15_in_step_20, "records step 15: it was not written by this trainer at step "
+                             "20"),
+])
+def test_export_refuses_what_resume_refuses(tmp_path, capsys, tamper, error):
+    """Markers re-signed over other contents: only what the checkpoint claims to be gives
+    it away, the same claims resume checks."""
+    root = tmp_path / "checkpoints"
+    n = carded_checkpoints(root)
+    out = tmp_path / "model.pt"
+    assert export.main([str(root), str(out)]) == 0  # the control: intact, it exports
+    out.unlink()
+    tamper(root)
+    assert [s for s, _ in commit.find_complete(Store(str(root)))] == [20, 15]  # checksums pass
+    assert export.main([str(root), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: checkpoint {STEP_20} " + error.format(n=n, n2=n - 2)]
+    assert not out.exists()

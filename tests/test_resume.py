@@ -105,9 +105,11 @@ def test_process_based_async_save_resumes_exactly(tiny_root, tmp_path, reference
     store = Store(str(tmp_path / "r" / "checkpoints"))
     kill_after_steps(args, tmp_path / "ledger.jsonl", 2, after_commit=store)
     since, committed = time.time(), complete_now(store)
-    run_to_end(args)
+    out = run_to_end(args)
     assert_resumed(tmp_path / "ledger.jsonl", since, committed)
     assert_matches_reference(tmp_path, reference)
+    # DCP's saver process saves single-process on purpose too: no warning of it there either
+    assert "torch.distributed is disabled" not in out
 
 
 @pytest.mark.parametrize("omitted, what_differs", [
@@ -137,6 +139,11 @@ def test_resume_modes_and_no_valid_checkpoint_are_clear_errors(tiny_root, tmp_pa
     assert "checkpoint.resume=never" in out
     out = run_job(PYTHON, [*args, "model.name=resnet34"], expect=2)
     assert "model.name changed since the checkpoint" in out
+    out = run_job(PYTHON, [*args, "optim=sgd"], expect=2)  # its state cannot load
+    assert [line for line in out.splitlines() if "error" in line] == [
+        "error: cannot resume r: optim.name changed since the checkpoint (optim.name=adamw "
+        "there, sgd now; that makes it a different run): set it back, or use a new "
+        "run.name (the checkpoints are intact)"], out
     out = run_to_end([*args, "optim.lr=0.0123", "trainer.max_steps=4"])
     assert "resuming with changed config keys: optim.lr" in out
     for shard in (tmp_path / "r" / "checkpoints").glob("step_*/__0_0.distcp"):
@@ -144,6 +151,27 @@ def test_resume_modes_and_no_valid_checkpoint_are_clear_errors(tiny_root, tmp_pa
     out = run_job(PYTHON, args, expect=2)
     assert "holds checkpoints but none is complete" in out
     assert "Traceback" not in out
+
+
+def test_checkpoints_that_verify_but_do_not_fit_the_changed_config_are_never_called_bad(
+        tiny_root, tmp_path):
+    """SGD without momentum saves no momentum buffers; with momentum the optimizer wants
+    them. The checkpoint is intact: the error names the key, and never says to remove it."""
+    args = command(tiny_root, tmp_path, "model=tiny_cnn", "data.num_workers=0",
+                   "trainer.max_steps=2", "checkpoint.interval_steps=1", "optim=sgd",
+                   "optim.nesterov=false")
+    run_to_end([*args, "optim.momentum=0"])
+    out = run_job(PYTHON, args, expect=2)
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert errors == [
+        f"error: cannot resume r: 2 complete checkpoint(s) in {tmp_path}/r/checkpoints (steps 2, "
+        f"1) verify but do not load into this run's state (see the warnings above); config "
+        f"keys changed since they were saved: optim.momentum: set them back, or use a new "
+        f"run.name (the checkpoints are intact: keep them)"], out
+    assert "remove them" not in out
+    assert "torch.distributed is disabled" not in out  # single-process loads on purpose
+    checkpoints = Store(str(tmp_path / "r" / "checkpoints"))
+    assert [step for step, _ in commit.find_complete(checkpoints)] == [2, 1]
 
 
 @pytest.mark.mount

@@ -50,6 +50,15 @@ def test_an_srun_task_reads_as_a_torchrun_rank():
     assert torchrun_environment({**SRUN, "MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
 
 
+def test_the_master_is_the_first_host_of_the_step_not_of_the_job():
+    """`srun -w node[3-4]` inside a 4-node allocation: node1 runs no task of this step."""
+    step = {**SRUN, "SLURM_JOB_NODELIST": "node[1-4]", "SLURM_NODELIST": "node[1-4]",
+            "SLURM_STEP_NODELIST": "node[3-4]"}
+    assert torchrun_environment(step)["MASTER_ADDR"] == "node3"
+    with pytest.raises(ConfigError, match="SLURM_STEP_NODELIST='node\\['"):
+        torchrun_environment({**step, "SLURM_STEP_NODELIST": "node["})
+
+
 @pytest.mark.parametrize("env", [
     {},  # no SLURM
     {**SRUN, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"},  # one task: a single process
@@ -72,6 +81,12 @@ def test_nothing_to_translate(env):
     ({"SLURM_NTASKS": "٢"}, "SLURM_NTASKS"),  # digits of other scripts
     ({"SLURM_PROCID": "１"}, "SLURM_PROCID"),
     ({"SLURM_JOB_NODELIST": "n[1]" * 2000}, "SLURM_JOB_NODELIST"),  # deeper than the stack
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a whole number from 1 to 65535"),
+    ({"MASTER_PORT": "99999"}, "MASTER_PORT"),
+    ({"MASTER_PORT": "0"}, "MASTER_PORT"),
+    ({"MASTER_PORT": "-1"}, "MASTER_PORT"),
+    ({"MASTER_PORT": "29500x"}, "MASTER_PORT"),
+    ({"MASTER_PORT": "２９５００"}, "MASTER_PORT"),
 ])
 def test_a_hostile_slurm_environment_is_one_line_naming_the_variable(change, named):
     with pytest.raises(ConfigError, match=named) as caught:
@@ -104,3 +119,14 @@ def test_the_submitit_local_launcher_trains_and_checkpoints(tiny_root, tmp_path)
     steps = sorted(p.name for p in (tmp_path / "job" / "checkpoints").glob("step_*"))
     assert steps == ["step_000000003", "step_000000006"], steps
     assert list((tmp_path / ".submitit").rglob("*_result.pkl"))  # submitit ran the job
+
+
+def test_a_malformed_master_port_under_srun_is_one_line_and_exit_2(tiny_root, tmp_path):
+    """Exit 2, not 1: torchrun and requeue loops retry a 1, and this cannot get better."""
+    task = launch(PYTHON, train_args(tiny_root, tmp_path), stderr_apart=True,
+                  **{**SRUN, "SLURM_PROCID": "0", "MASTER_PORT": "99999"})
+    _, err = task.communicate(timeout=120)
+    assert task.returncode == 2, err[-3000:]
+    assert err.splitlines() == [
+        "error: MASTER_PORT='99999' is not a whole number from 1 to 65535: set it to a free "
+        "TCP port, or unset it for one derived from the job id"], err

@@ -3,26 +3,17 @@
 Under torchrun every rank runs this with the same arguments (train/launch.py).
 """
 
-import signal
-import sys
-from types import FrameType
-from typing import Dict, NoReturn, Optional
+import os
 
-# Exit status of a process stopped by SIGINT (128 + 2), as a shell reports it.
-EXIT_INTERRUPTED = 130
+_PARENT = os.getppid()  # before the slow imports: torchrun's agent, when it launched us
 
+from train.preemption import catch_start_up  # noqa: E402  (no torch)
 
-def _interrupted(signum: int, frame: Optional[FrameType]) -> None:
-    """Ctrl-C before training routes signals to a checkpoint (train/preemption.py): nothing
-    has been trained, so one line instead of a KeyboardInterrupt traceback from whatever
-    import was running."""
-    print("interrupted before training started: nothing to save", file=sys.stderr)
-    raise SystemExit(EXIT_INTERRUPTED)
-
-
-signal.signal(signal.SIGINT, _interrupted)  # first: the imports below take seconds
+catch_start_up(_PARENT)  # first: the imports below take seconds
 
 import logging  # noqa: E402
+import sys  # noqa: E402
+from typing import Dict, NoReturn, Optional  # noqa: E402
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from checkpointing.claims import SCHEMA_KEY, schema_of_state
 from checkpointing.export import with_model_card
 from checkpointing.manager import NO_SPACE, CheckpointError
 from common.files import atomic_file
@@ -64,6 +65,7 @@ def run(cfg: DictConfig) -> Dict[str, float]:
             raise SystemExit(code) from None
         except Preempted as stopped:
             log.warning("%s", stopped)
+            stopped.hand_on()  # a launcher's own handler for the signal (submitit: requeue)
             raise SystemExit(EXIT_PREEMPTED) from None
 
 
@@ -74,7 +76,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
     start = job_start()
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device, cfg.trainer.deterministic)
-    with catch_preemption() as preemption:  # from here on a signal stops at a checkpoint
+    with catch_preemption(cfg.trainer.stop_signals) as preemption:  # from here on a signal stops at a checkpoint
         world = init_world(device, cfg.strategy.timeout_seconds,
                            cfg.strategy.init_timeout_seconds)
         try:
@@ -164,7 +166,9 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     val_loader = build_loader(val_set, eval_batches(len(val_set), cfg.data.val_batch_size,
                                                     world.rank, world.world_size),
                               cfg.data, pin)
-    card = model_card(cfg, train_set.index.classes)
+    # With the model's tensors recorded, export can tell the model's files from others
+    card = {**model_card(cfg, train_set.index.classes),
+            SCHEMA_KEY: schema_of_state(ModelState(learner.model).state_dict())}
     # The checkpoint records the card too, for checkpointing.export to pass on.
     info = RunInfo(mlflow_run_id=None, run_name=cfg.run.name,
                    config={**training_config(cfg), "model_card": json.dumps(card)})

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from checkpointing import plan
+from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
+from data.redact import strip_credentials
 from train import events
 from train.config import ResumeMode
 from train.distributed import World
@@ -26,8 +29,9 @@ from train.tracking import flatten
 
 log = logging.getLogger(__name__)
 
-# Changing these makes a checkpoint meaningless for the run: refuse to resume across them.
-IDENTITY_KEYS = ("model.name", "data.root")
+# Changing these makes a checkpoint meaningless for the run (or, the optimizer, its state
+# unloadable): refuse to resume across them.
+IDENTITY_KEYS = ("model.name", "data.root", "optim.name")
 
 
 def training_config(cfg: DictConfig) -> Dict[str, str]:
@@ -81,6 +85,7 @@ class CheckpointSchedule:
         self.saves: Deque[float] = deque(maxlen=self.WINDOW)
         self.steps: Deque[float] = deque(maxlen=self.WINDOW)
         self.last_save_step = start_step  # a resumed run is at a checkpoint already
+        self.hopeless = False  # said once that no interval can help
         self.last_time = time.perf_counter()
 
     def due(self, step: int, final: bool) -> bool:
@@ -108,9 +113,18 @@ class CheckpointSchedule:
         (one save at a time: a sooner one would wait for it, blocking the loop)."""
         stall, save, step = (statistics.median(m) for m in (self.stalls, self.saves, self.steps))
         step = max(step, 1e-9)
+        if why := plan.hopeless(save, self.mtbf_seconds):
+            if not self.hopeless:  # once: it does not change from save to save
+                log.warning("checkpoint.auto_interval: %s (checkpoint.mtbf_hours=%g): keeping "
+                            "%d steps; give the job's real MTBF, or make saves faster "
+                            "(checkpoint.async_mode)", why, self.mtbf_seconds / 3600,
+                            self.interval)
+            self.hopeless = True
+            return
         optimum = plan.exact_optimum(max(stall, 1e-6), self.mtbf_seconds)
         pick = max(1, math.ceil(max(optimum, save) / step))
-        if abs(pick - self.interval) <= self.CHANGE * self.interval:
+        # One step is the finest move there is: 1 <-> 2 is not worth a line at every save
+        if abs(pick - self.interval) <= max(self.CHANGE * self.interval, 1):
             return
         self.interval = pick
         goodput = plan.exact_goodput(pick * step, stall, self.restart_seconds, self.mtbf_seconds)
@@ -145,6 +159,8 @@ class Checkpointer:
         self.schedule = CheckpointSchedule(cfg, start_step=0)
         self.stall_seconds = 0.0  # the last save's, for the planner and the metrics
         self._landing: Optional[tuple] = None  # (step, wall time begun) of the save in flight
+        # Complete checkpoints of this run whose state did not load into the live one
+        self._unfit: List[int] = []
         self._failures_seen = 0
 
     def restore(self) -> Optional[Restored]:
@@ -152,7 +168,7 @@ class Checkpointer:
         for a fresh start. Another run's checkpoint, or one whose identity keys changed,
         stops the run with a ConfigError."""
         ck, began = self.cfg.checkpoint, time.perf_counter()
-        exists = self.manager.has_any_checkpoint()
+        exists, self._unfit = self.manager.has_any_checkpoint(), []
         if ck.resume == ResumeMode.never:
             if exists:
                 raise ConfigError(f"checkpoint.dir {ck.dir} already holds checkpoints and "
@@ -167,6 +183,9 @@ class Checkpointer:
         current_config, info.run_name = dict(info.config), self.cfg.run.name
         restored = self._load_newest(lambda: refuse_another_run(self.cfg, info, current_config))
         if restored is None:
+            if self._unfit:
+                raise unfit_checkpoints(self.cfg, self._unfit,
+                                        changed_keys(info.config, current_config))
             if exists:
                 raise ConfigError(f"{ck.dir} holds checkpoints but none is complete (see the "
                                   f"warnings above): remove them to start afresh, or point "
@@ -226,12 +245,14 @@ class Checkpointer:
                     if k != "run" and not (resized and k == "rng")}
             loaded = {**rest, **position_state(Position(), self.identity)}
             if not self.manager.load(step, loaded):
+                self._unfit.append(step)
                 continue
             self.faults.at("loaded", state=loaded)
             position = read_position(loaded, self.identity)
-            if position.step != step:
-                raise ConfigError(f"checkpoint step_{step:09d} records step {position.step}: "
-                                  f"it was not written by this trainer")
+            try:
+                check_step(step_dir_name(step), position.step, step)
+            except ClaimMismatch as err:
+                raise ConfigError(str(err)) from None
             if resized and "rng" in self.components:
                 self.components["rng"].rederive(self.cfg.seed, step)
             self.schedule.last_save_step = step
@@ -277,6 +298,29 @@ def refuse_another_run(cfg: DictConfig, saved: RunInfo, current_config: Dict[str
             f"name to continue it")
     refused = [k for k in changed_keys(saved.config, current_config) if k in IDENTITY_KEYS]
     if refused:
+        values = "; ".join(f"{k}={_typed(saved.config.get(k))} there, "
+                           f"{_typed(current_config.get(k))} now" for k in refused)
         raise ConfigError(f"cannot resume {cfg.run.name}: {', '.join(refused)} changed since "
-                          f"the checkpoint (that makes it a different run): use a new "
-                          f"run.name")
+                          f"the checkpoint ({values}; that makes it a different run): set it "
+                          f"back, or use a new run.name (the checkpoints are intact)")
+
+
+def _typed(value: Optional[str]) -> str:
+    """A recorded config value as it is typed: the record keeps an option by its Python name
+    ('OptimizerName.sgd')."""
+    text = strip_credentials(str(value))[:80]
+    return re.sub(r"^[A-Z][A-Za-z]*\.(\w+)$", r"\1", text)
+
+
+def unfit_checkpoints(cfg: DictConfig, steps: List[int], changed: List[str]) -> ConfigError:
+    """Complete, verified checkpoints of this run that do not load into its state: the
+    config changed under them (never a reason to delete them)."""
+    where = strip_credentials(str(cfg.checkpoint.dir))
+    what = (f"config keys changed since they were saved: {', '.join(changed)[:300]}: set "
+            f"them back, or use a new run.name (the checkpoints are intact: keep them)"
+            if changed else
+            f"no config key changed, so the warnings above say why: `python -m "
+            f"checkpointing.verify {where}` re-checks them")
+    return ConfigError(f"cannot resume {cfg.run.name}: {len(steps)} complete checkpoint(s) in "
+                       f"{where} (steps {', '.join(map(str, steps[:5]))}) verify but do not "
+                       f"load into this run's state (see the warnings above); {what}")

@@ -28,6 +28,7 @@ from data.locality import CacheUse
 from data.redact import strip_credentials
 from train.errors import ConfigError
 from train.launch import register_resolvers as register_launch_resolvers
+from train.preemption import DEFAULT_STOP_SIGNALS
 
 
 class Device(str, Enum):
@@ -72,6 +73,17 @@ class StrategyName(str, Enum):
     # In-band recovery on torchft: each data-parallel replica group is its own torchrun job
     # under a lighthouse; a failed group drops out of the step and rejoins live (train/ft.py)
     ddp_ft = "ddp_ft"
+
+
+class StopSignal(str, Enum):
+    """A signal that stops a run at a committed checkpoint (train/preemption.py)."""
+
+    SIGTERM = "SIGTERM"
+    SIGINT = "SIGINT"
+    SIGHUP = "SIGHUP"
+    SIGQUIT = "SIGQUIT"
+    SIGUSR1 = "SIGUSR1"
+    SIGUSR2 = "SIGUSR2"
 
 
 class LoggerName(str, Enum):
@@ -240,6 +252,7 @@ DEFAULT_RUN_NAME_EXCLUDES = [
     "trainer.log_every_steps",
     "trainer.save_final_weights",
     "trainer.deterministic",
+    "trainer.stop_signals",
     "data.num_workers",
     "data.prefetch_factor",
     "data.cache_dir",
@@ -404,6 +417,11 @@ class TrainerConfig:
     # uninterrupted one (torch refuses ops without a deterministic kernel). false: torch may
     # pick faster nondeterministic kernels; runs then differ in the last bits.
     deterministic: bool = True
+    # Each of these stops the run at the next step boundary, saves, and exits 75 (requeue):
+    # a scheduler's notice, Ctrl-C, a lost terminal, the time-limit warnings of SLURM's
+    # --signal and submitit. A signal left out keeps its default action (it kills at once).
+    stop_signals: List[StopSignal] = field(
+        default_factory=lambda: [StopSignal(name) for name in DEFAULT_STOP_SIGNALS])
 
 
 @dataclass

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from train.config import OptimConfig, OptimizerName, SchedulerConfig, SchedulerName
+from train.errors import ConfigError
 
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -17,6 +18,9 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == OptimizerName.sgd:
+        if cfg.nesterov and cfg.momentum == 0:  # torch's ValueError would be "unexpected"
+            raise ConfigError("optim.nesterov=true needs optim.momentum > 0: set "
+                              "optim.nesterov=false, or a momentum")
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
 

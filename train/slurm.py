@@ -1,9 +1,11 @@
 """SLURM's environment, read as torchrun's: `srun python -m train ...` needs no torchrun.
 
 Each task srun starts is one rank: `SLURM_PROCID` (rank), `SLURM_NTASKS` (world size),
-`SLURM_LOCALID` (local rank), `SLURM_NODEID` (node rank), and the first host of
-`SLURM_JOB_NODELIST` hosts the rendezvous store, on `MASTER_PORT` when set, else a port
-derived from the job id (every task of the job derives the same). No torch import here:
+`SLURM_LOCALID` (local rank), `SLURM_NODEID` (node rank), and the first host of the step's
+nodes (`SLURM_STEP_NODELIST`, else the job's: an `srun -w node[3-4]` step in a larger
+allocation runs no task on the job's first node) hosts the rendezvous store, on
+`MASTER_PORT` when set, else a port derived from the job id (every task of the job derives
+the same). No torch import here:
 train/launch.py reads the rank while Hydra composes.
 """
 
@@ -19,6 +21,8 @@ _HOST = re.compile(r"[A-Za-z0-9._-]*")
 _RANGE = re.compile(r"([0-9]{1,9})(?:-([0-9]{1,9}))?")  # ASCII: \d takes "١" and "１"
 MAX_BRACKETS = 16  # per name; each is one level of `_hosts`' recursion
 PORT_BASE, PORT_SPAN = 15000, 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN
+# Where the hosts are listed, first found first: the step's, then the job's (two names)
+NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
 
 Span = Tuple[int, int, int]  # (zero-padded width, first, last) of a bracket's numbers
@@ -114,11 +118,15 @@ def first_host(text: str) -> str:
     return next(iter_hostlist(text))
 
 
-def _integer(env: Mapping[str, str], name: str, low: int = 0) -> int:
+SRUN_SETS_IT = "run the trainer under srun, which sets it, or under torchrun"
+
+
+def _integer(env: Mapping[str, str], name: str, low: int = 0, high: int = 10**9 - 1,
+             fix: str = SRUN_SETS_IT) -> int:
     value = env.get(name, "")
-    if not re.fullmatch(r"[0-9]{1,9}", value.strip()) or int(value) < low:
-        raise ConfigError(f"{name}={value[:40]!r} is not a whole number >= {low}: run the "
-                          f"trainer under srun, which sets it, or under torchrun")
+    if not re.fullmatch(r"[0-9]{1,9}", value.strip()) or not low <= int(value) <= high:
+        within = f"from {low} to {high}" if high < 10**9 - 1 else f">= {low}"
+        raise ConfigError(f"{name}={value[:40]!r} is not a whole number {within}: {fix}")
     return int(value)
 
 
@@ -132,14 +140,17 @@ def torchrun_environment(env: Mapping[str, str]) -> Dict[str, str]:
     rank = _integer(env, "SLURM_PROCID")
     if rank >= world_size:
         raise ConfigError(f"SLURM_PROCID={rank} is not below SLURM_NTASKS={world_size}")
-    nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))
+    variable = next((name for name in NODELISTS if name in env), NODELISTS[1])
+    nodelist = env.get(variable, "")
     try:
         master = first_host(nodelist)
     except ValueError as err:
-        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist[:80]!r} is not a host list ({err}): "
-                          f"run the trainer under srun, or set MASTER_ADDR") from None
-    port = env.get("MASTER_PORT") or str(PORT_BASE + _integer(env, "SLURM_JOB_ID") % PORT_SPAN)
+        raise ConfigError(f"{variable}={nodelist[:80]!r} is not a host list ({err}): run the "
+                          f"trainer under srun, or set MASTER_ADDR") from None
+    port = (_integer(env, "MASTER_PORT", low=1, high=65535, fix="set it to a free TCP port, "
+                     "or unset it for one derived from the job id") if env.get("MASTER_PORT")
+            else PORT_BASE + _integer(env, "SLURM_JOB_ID") % PORT_SPAN)
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(_integer(env, "SLURM_LOCALID")),
             "GROUP_RANK": str(_integer(env, "SLURM_NODEID")),
-            "MASTER_ADDR": env.get("MASTER_ADDR") or master, "MASTER_PORT": port}
+            "MASTER_ADDR": env.get("MASTER_ADDR") or master, "MASTER_PORT": str(port)}
