@@ -36,7 +36,7 @@ from train.ft import NO_REPLICAS, FaultTolerantReplicas, Replicas, check_plan, r
 from train.goodput import Goodput
 from train.health import HealthMonitor, HealthState, Watchdog
 from train.launch import use_node_local_dirs
-from train.loop import Learner, LoopPlan, fit
+from train.loop import Learner, LoopPlan, evaluate, fit
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
 from train.parallel import full_state_dict, parallelize
@@ -238,6 +238,8 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,
                       job.health, watchdog, preemption, job.checkpointer, goodput, tracker,
                       faults, job.replicas)
+        if position.step >= job.plan.total_steps:  # complete already: nothing was trained
+            metrics = metrics_reached(cfg, job, world, tracker)
         if job.checkpointer:
             job.checkpointer.close()
         job.replicas.close()
@@ -256,6 +258,17 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         log.info("done in %.0fs: %s; %s", time.perf_counter() - start,
                  describe(metrics, ["train/loss", "val/loss", "val/top1"]), goodput.summary())
     return metrics
+
+
+def metrics_reached(cfg: DictConfig, job: Job, world: World,
+                    tracker: NullTracker) -> Dict[str, float]:
+    """What a run that was already complete reached, for the sweeper that runs it again: the
+    last values its MLflow run holds, or, where those lack `sweep.objective`, its last
+    validation again (the final checkpoint's weights, so the same numbers)."""
+    logged = broadcast_object(tracker.last_metrics(), world.control_group)
+    if cfg.sweep.objective not in logged:
+        logged.update(evaluate(job.learner.model, job.val_loader, job.plan))  # every rank
+    return logged
 
 
 def wants_final_weights(cfg: DictConfig) -> bool:

@@ -83,6 +83,9 @@ class NullTracker:
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         pass
 
+    def last_metrics(self) -> Dict[str, float]:
+        return {}
+
     def log_artifact(self, path: Path) -> None:
         pass
 
@@ -259,6 +262,18 @@ class MLflowTracker:
         self.dropped += max(overflow, 0)
         if self.retry_at is None or time.monotonic() >= self.retry_at:
             self.flush()
+
+    def last_metrics(self) -> Dict[str, float]:
+        """The run's last value of each metric, as the store holds them ({} when it does not
+        answer, or the run never started)."""
+        if self.run_id is None:
+            return {}
+        try:
+            return dict(self.client.get_run(self.run_id).data.metrics)
+        except Exception as err:
+            log.warning("MLflow store %s failed to give run %s's metrics (%s)", self.uri,
+                        self.run_id, one_line(err))
+            return {}
 
     def log_artifact(self, path: Path) -> None:
         """Attach a file to the run; a store that fails only warns (it is a report)."""
