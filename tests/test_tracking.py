@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from support.launch import free_port, run_train
+from support.launch import free_port, run_train, train_env
 from support.runs import tiny_overrides
 from train import tracking
 from train.config import LoggerConfig
@@ -319,3 +321,39 @@ def test_a_parent_id_left_in_the_shell_is_not_the_new_sweep_s(
                                "sweep": {"objective": "val/top1", "direction": "maximize"}})
     SweepRun().on_multirun_start(config)
     assert PARENT_ENV not in os.environ
+
+
+PARENT_AT_A_SIGNAL = """
+import sys
+from omegaconf import OmegaConf
+from train.sweep_tracking import SweepRun, PARENT_ENV
+import os
+config = OmegaConf.create({"logger": {"name": "mlflow", "experiment_name": "e",
+                                      "tracking_uri": sys.argv[1]},
+                           "sweep": {"objective": "val/top1", "direction": "maximize"}})
+print("ready", flush=True)
+sys.stdin.readline()
+SweepRun().on_multirun_start(config)
+print("parent", os.environ.get(PARENT_ENV), flush=True)
+"""
+
+
+def test_two_sweeps_started_at_once_into_a_new_sqlite_store_both_get_their_parent(
+        tmp_path: Path) -> None:
+    """Both sweeps' callbacks open the new store in the same instant (released together once
+    both have imported MLflow): each ran the schema migrations ("duplicate column name")."""
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    procs = [subprocess.Popen([sys.executable, "-c", PARENT_AT_A_SIGNAL, store],
+                              env=train_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    parents = [out.split()[-1] for out, _ in outs]
+    assert all(len(p) == 32 for p in parents), outs
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=store)
+    assert {client.get_run(p).info.run_name.startswith("sweep-") for p in parents} == {True}

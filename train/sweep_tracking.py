@@ -167,10 +167,14 @@ def open_experiment(client: Any, name: str) -> str:
 
 def mlflow_client(tracking_uri: Optional[str]) -> Any:
     """A client of `tracking_uri`, or of MLflow's default store (None); MLflow's global
-    tracking URI stays as it was (the basic launcher's jobs share this process)."""
+    tracking URI stays as it was (the basic launcher's jobs share this process). Making one
+    opens the store, which creates a new sqlite store: under its lock, or two sweeps started
+    at once both migrate its schema and one fails ("duplicate column name: step")."""
     import mlflow  # slow to import: only when MLflow is used
 
-    return mlflow.MlflowClient(tracking_uri=tracking_uri or mlflow.get_tracking_uri())
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    with sqlite_creation_lock(uri):
+        return mlflow.MlflowClient(tracking_uri=uri)
 
 
 @contextmanager
