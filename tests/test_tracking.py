@@ -110,7 +110,7 @@ def test_a_store_failing_mid_run_warns_once_and_catches_up(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "training goes on" in warnings[0], warnings
     assert "kept in memory" in warnings[0] and "database or disk is full" in warnings[0]
-    assert any("answers again: sent 5 buffered" in r.getMessage() for r in caplog.records)
+    assert any("answers again: sent 5 kept" in r.getMessage() for r in caplog.records)
 
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri=uri)
@@ -132,8 +132,8 @@ def test_a_store_down_at_the_end_drops_what_is_pending_and_the_run_still_ends(
         monkeypatch.setattr(tracker.mlflow, "end_run", failing)
         tracker.log_metrics({"train/loss": 1.0, "train/lr": 0.1}, step=1)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("2 metric values were not logged" in w for w in warnings), warnings
-    assert any("failed when ending run" in w for w in warnings), warnings
+    assert any("2 metric values, 0 files and the run's end (FINISHED) were not logged" in w
+               for w in warnings), warnings
 
 
 def test_a_store_failing_at_the_run_start_does_not_stop_training(

@@ -8,7 +8,7 @@ import sys
 import json
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -117,6 +117,7 @@ class Job:
     checkpointer: Optional[Checkpointer]
     card: Dict[str, Any]  # what a user of the final model needs to know (model_card)
     replicas: Replicas = NO_REPLICAS  # ddp_ft: the replica groups this one trains with
+    splits: Dict[str, Any] = field(default_factory=dict)  # the data.index.DatasetIndex of each
 
 
 def train_in_world(cfg: DictConfig, world: World, device: torch.device,
@@ -186,7 +187,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
                                       learner.model, learner.optimizer, learner.scheduler,
                                       health_state, faults) if in_band else NO_REPLICAS)
     return Job(plan, learner, loader_at, val_loader, info, health, checkpointer, card,
-               replicas)
+               replicas, {"train": train_set.index, "val": val_set.index})
 
 
 def model_card(cfg: DictConfig, classes: List[str]) -> Dict[str, Any]:
@@ -229,10 +230,12 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         preemption: PreemptionFlag, faults: FaultHook, start: float) -> Dict[str, float]:
     """Train to the end under the MLflow run, then save the final weights."""
     run_dir = run_dir_of(cfg)
-    with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id) as run_id:
+    with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id,
+                     run_dir=run_dir) as run_id:
         # every rank saves the same
         job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
         tracker.log_params(parameter_counts(job.learner.model))
+        tracker.log_datasets(job.splits)
         goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)
         watchdog = Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0)
         metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,

@@ -414,8 +414,12 @@ class LoggerConfig:
     # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd).
     tracking_uri: Optional[str] = None
     experiment_name: str = "goodput-trainer"
-    # CPU, memory, disk, network (and GPU, with nvidia-ml-py) every 10 s (mlflow, psutil)
+    # CPU, memory, disk, network (and GPU, with nvidia-ml-py) every system_metrics_seconds
+    # (mlflow's monitors, psutil)
     system_metrics: bool = True
+    system_metrics_seconds: float = bounded(10.0, gt=0, le=3600)
+    # While the store fails, how long between attempts (each may block a step for seconds)
+    retry_seconds: float = bounded(30.0, gt=0, le=3600)
     # The final model as an MLflow model (`model`; seconds, most of it importing
     # torch.export); registered under this name in MLflow's model registry when one is given
     log_model: bool = True
