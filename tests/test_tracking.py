@@ -357,3 +357,75 @@ def test_two_sweeps_started_at_once_into_a_new_sqlite_store_both_get_their_paren
     from mlflow.tracking import MlflowClient
     client = MlflowClient(tracking_uri=store)
     assert {client.get_run(p).info.run_name.startswith("sweep-") for p in parents} == {True}
+
+
+def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
+        store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """The documented command, on a file that also holds what an attacker or a crash would
+    leave: a torn line, paths outside the run directory, a huge line, values of wrong types."""
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+
+    client = MlflowClient(tracking_uri=store_uri)
+    run_id = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
+    (tmp_path / "goodput.json").write_text("{}")
+    (tmp_path.parent / "secret.txt").write_text("not the run's")
+    kept = unsent.Unsent(uri=store_uri)
+    kept.add_metrics(run_id, [("train/loss", 1.0 / s, 1_000 + s, s) for s in range(1, 2501)])
+    kept.artifacts.append((run_id, "goodput.json"))
+    kept.models.append(run_id)
+    kept.ends[run_id] = ("KILLED", 987_654)
+    path = tmp_path / unsent.FILE
+    unsent.write(path, kept)
+    unsent.append(path, [{"run": run_id, "artifact": "../secret.txt"},
+                         {"run": run_id, "artifact": str(tmp_path.parent / "secret.txt")},
+                         {"run": run_id, "metric": ["x", "NaN-string", 1, 1]},
+                         {"run": "x' OR 1=1 --", "end": ["FINISHED", 1]},
+                         {"run": run_id, "end": ["RUNNING", 5]},
+                         {"run": run_id, "metric": ["y" * 3000, 1.0, 1, 1]}])
+    with open(path, "a") as f:
+        f.write('{"run": "' + run_id + '", "metric": ["train/loss", 9.0, 1')  # torn
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert unsent.main([str(tmp_path)]) == 0  # the store the file names
+    out = capsys.readouterr().out
+    assert "sent 2500 metric values" in out and "launch the run again" in out
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted((m.step, m.value, m.timestamp) for m in history) == [
+        (s, 1.0 / s, 1_000 + s) for s in range(1, 2501)]
+    run = client.get_run(run_id)
+    assert (run.info.status, run.info.end_time) == ("KILLED", 987_654)
+    assert set(run.data.metrics) == {"train/loss"}
+    assert [a.path for a in client.list_artifacts(run_id)] == ["goodput.json"]
+    assert not path.exists()
+    assert unsent.main([str(tmp_path)]) == 0 and "nothing unsent" in capsys.readouterr().out
+
+
+def test_python_m_train_unsent_keeps_the_file_while_the_store_is_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from train import unsent
+
+    kept = unsent.Unsent(uri="http://u:pw@nowhere")
+    kept.add_metrics("a" * 32, [("train/loss", 1.0, 1, 1)])
+    unsent.write(tmp_path / unsent.FILE, kept)
+    before = (tmp_path / unsent.FILE).read_bytes()
+    assert b"pw" not in before  # the file never holds the store's credentials
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert unsent.main([str(tmp_path), "--tracking-uri", dead_http_uri()]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 of 1 metric values still unsent" in err[0], err
+    assert (tmp_path / unsent.FILE).read_bytes() == before
+
+
+def test_the_unsent_file_stays_bounded(tmp_path: Path) -> None:
+    from train import unsent
+
+    kept = unsent.Unsent()
+    kept.add_metrics("a" * 32, [("m", float(i), i, i) for i in range(unsent.MAX_METRICS + 7)])
+    assert len(kept.metrics) == unsent.MAX_METRICS and kept.dropped == 7
+    assert kept.metrics[0][1][3] == 7  # the oldest went
+    unsent.write(tmp_path / unsent.FILE, kept)
+    unsent.append(tmp_path / unsent.FILE, [{"run": "a" * 32, "metric": ["m", 1.0, 1, 1]}] * 9)
+    again = unsent.read(tmp_path / unsent.FILE)
+    assert len(again.metrics) == unsent.MAX_METRICS and again.metrics[-1][1] == ("m", 1.0, 1, 1)

@@ -81,7 +81,7 @@ class Unsent:
         runs = {run for run, _ in self.metrics} | set(self.ends) | set(self.models) | {
             run for run, _ in self.artifacts}
         for run in sorted(runs):
-            yield {"run": run, "uri": self.uri}
+            yield {"run": run, "uri": strip_credentials(self.uri)}
         for run, record in self.metrics:
             yield {"run": run, "metric": list(record)}
         for run, name in self.artifacts:
