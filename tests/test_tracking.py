@@ -103,9 +103,9 @@ def test_a_store_failing_mid_run_warns_once_and_catches_up(
         monkeypatch.setattr(tracker.client, "log_batch", failing)
         for step in range(2, 6):  # the "training" goes on through the outage
             tracker.log_metrics({"train/loss": float(step)}, step=step)
-        assert len(calls) == 1  # no new attempt before RETRY_SECONDS: steps are not blocked
+        assert len(calls) == 1  # no new attempt before logger.retry_seconds: steps are not blocked
         monkeypatch.setattr(tracker.client, "log_batch", real_log_batch)
-        monkeypatch.setattr(tracker, "retry_at", time.monotonic())  # RETRY_SECONDS later
+        monkeypatch.setattr(tracker, "retry_at", time.monotonic())  # logger.retry_seconds later
         tracker.log_metrics({"train/loss": 6.0}, step=6)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "training goes on" in warnings[0], warnings

@@ -311,7 +311,11 @@ class MLflowTracker:
         path = self._unsent_file()
         if path is None or not path.is_file():
             return
-        earlier = unsent.read(path)
+        try:
+            earlier = unsent.read(path)
+        except OSError as err:
+            log.warning("%s could not be read (%s): what it holds stays there", path, err)
+            return
         earlier.ends.pop(self.run_id, None)
         for run in {run for run, _ in earlier.metrics} | set(earlier.models):
             if run != self.run_id:
@@ -325,7 +329,12 @@ class MLflowTracker:
     def _start_system_metrics(self) -> None:
         if not self.cfg.system_metrics:
             return
-        logged = self.client.get_run(self.run_id).data._metric_objs
+        try:  # a resumed run's system metrics go on from its last step
+            logged = self.client.get_run(self.run_id).data._metric_objs
+        except Exception as err:
+            log.warning("MLflow store %s failed to give run %s (%s): its system metrics "
+                        "start again at step 0", self.uri, self.run_id, one_line(err))
+            logged = []
         steps = [m.step for m in logged if m.key.startswith(SystemMetrics.PREFIX)]
         self.system = SystemMetrics(self.system_values.put, self.cfg.system_metrics_seconds,
                                     first_step=max(steps) + 1 if steps else 0)
@@ -509,18 +518,25 @@ class SystemMetrics:
         self.thread.join()
 
     def _sample(self) -> None:
-        while True:
-            for monitor in self.monitors:
-                monitor.collect_metrics()
-            if self.stop.wait(self.interval):
+        while not self.stop.is_set():
+            try:
+                self._sample_once()
+            except Exception as err:  # a monitor that fails (psutil, NVML) ends the sampling
+                log.warning("system metrics stop: %s", one_line(err))
                 return
-            values: Dict[str, float] = {}
-            for monitor in self.monitors:
-                values.update(monitor.aggregate_metrics())
-                monitor.clear_metrics()
-            self.sink(({f"{self.PREFIX}{k}": float(v) for k, v in values.items()},
-                       int(time.time() * 1000), self.step))
-            self.step += 1
+
+    def _sample_once(self) -> None:
+        for monitor in self.monitors:
+            monitor.collect_metrics()
+        if self.stop.wait(self.interval):
+            return
+        values: Dict[str, float] = {}
+        for monitor in self.monitors:
+            values.update(monitor.aggregate_metrics())
+            monitor.clear_metrics()
+        self.sink(({f"{self.PREFIX}{k}": float(v) for k, v in values.items()},
+                   int(time.time() * 1000), self.step))
+        self.step += 1
 
 
 def _default_monitors() -> List[Any]:
