@@ -74,6 +74,14 @@ def test_parallel_jobs_with_data_workers_share_a_new_mlflow_store(tiny_root, tmp
     assert [r.data.params["optim.lr"] for r in jobs] == ["0.001", "0.002"]
     assert all(r.info.status == "FINISHED" and "val/top1" in r.data.metrics for r in jobs)
     assert parent.data.tags["sweep.launcher"].endswith("JoblibLauncher")
+    # the sweep's record, its job lines written by joblib's worker processes
+    (record,) = (tmp_path / "sweeps").iterdir()
+    sweep = yaml.safe_load((record / "sweep.yaml").read_text())
+    assert sweep["mlflow_parent_run_id"] == parent.info.run_id
+    assert [(j["job"], j["status"], j["run_name"], j["objective"]) for j in sweep["jobs"]] == [
+        (i, "COMPLETED", r.info.run_name, r.data.metrics["val/top1"]) for i, r in enumerate(jobs)]
+    assert [r.info.run_name.split(",")[0] for r in jobs] == [
+        "resnet-optim.lr=0.001", "resnet-optim.lr=0.002"]  # the swept value leads
 
 
 def test_every_sweep_keeps_its_own_record_and_a_complete_job_reports_what_it_reached(

@@ -77,8 +77,7 @@ class SweepRecord(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         status = getattr(job_return.status, "name", str(job_return.status))
         value = job_return.return_value if status == "COMPLETED" else None
-        append_job(config, {"event": "end", "status": status,
-                            "objective": value if isinstance(value, (int, float)) else None})
+        append_job(config, {"event": "end", "status": status, "objective": number(value)})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         os.environ.pop(SWEPT_KEYS_ENV, None)
@@ -109,6 +108,17 @@ def swept_keys(overrides: List[str], params: Any) -> List[str]:
     return sorted(keys)
 
 
+def number(value: Any) -> Any:
+    """An objective as the record keeps it: a number, a list of them (multi-objective), or
+    None (a failed job, or a value that is neither)."""
+    if isinstance(value, (list, tuple)):
+        values = [number(v) for v in value]
+        return values if values and None not in values else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
 def append_job(config: DictConfig, fields: Dict[str, Any]) -> None:
     """One line about this job in its sweep's jobs.jsonl (a single append: parallel jobs'
     lines never interleave)."""
@@ -117,7 +127,7 @@ def append_job(config: DictConfig, fields: Dict[str, Any]) -> None:
         return
     hydra = config.hydra
     line = {"job": int(hydra.job.num), "run_name": str(config.run.name),
-            "dir": str(hydra.runtime.output_dir),
+            "dir": strip_credentials(str(hydra.runtime.output_dir)),
             "overrides": [strip_credentials(str(o)) for o in hydra.overrides.task],
             "mlflow_parent_run_id": os.environ.get(PARENT_ENV), "time": stamp(time.time()),
             **fields}
