@@ -117,3 +117,23 @@ def test_every_sweep_keeps_its_own_record_and_a_complete_job_reports_what_it_rea
     # the same job in both sweeps: one run, whose second launch trained nothing
     assert sweeps[0]["jobs"][1]["run_name"] == sweeps[1]["jobs"][0]["run_name"]
     assert sweeps[1]["jobs"][0]["objective"] == sweeps[0]["jobs"][1]["objective"]
+
+
+def test_a_sweep_record_lists_each_job_once_and_one_that_never_returned_as_running(tmp_path):
+    """Job lines from parallel processes, a job that exited the process (SystemExit skips
+    Hydra's job-end callback) and a line torn by a kill."""
+    from train.sweep_record import read_jobs, swept_keys
+
+    start = {"event": "start", "run_name": "r", "dir": "d", "overrides": [],
+             "mlflow_parent_run_id": None, "time": "t0"}
+    lines = [{**start, "job": 1}, {**start, "job": 0},
+             {**start, "job": 0, "event": "end", "status": "COMPLETED", "objective": 0.5,
+              "time": "t1"}]
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"job": 2, "ev')
+    jobs = read_jobs(path)
+    assert [(j["job"], j["status"], j["objective"], j["started"], j.get("ended"))
+            for j in jobs] == [(0, "COMPLETED", 0.5, "t0", "t1"), (1, "RUNNING", None, "t0",
+                                                                   None)]
+    assert swept_keys(["a=1", "b=1,2", "+c=range(1,3)", "d=choice(x,y)", "model=x,y"],
+                      {"e": "interval(0, 1)"}) == ["b", "c", "d", "e", "model"]
