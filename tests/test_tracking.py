@@ -400,6 +400,8 @@ def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
     assert [a.path for a in client.list_artifacts(run_id)] == ["goodput.json"]
     assert not path.exists()
     assert unsent.main([str(tmp_path)]) == 0 and "nothing unsent" in capsys.readouterr().out
+    assert unsent.main([str(tmp_path / "typo")]) == 2
+    assert "is no directory" in capsys.readouterr().err
 
 
 def test_python_m_train_unsent_keeps_the_file_while_the_store_is_down(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections import deque
@@ -40,7 +39,6 @@ from common.files import atomic_file
 from data.redact import strip_credentials
 from train.sweep_tracking import one_line
 
-log = logging.getLogger(__name__)
 FILE = "mlflow_unsent.jsonl"
 MAX_METRICS = 100_000  # ~8 MB on disk, ~20 MB in memory
 MAX_LINE = 2048
@@ -212,6 +210,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "else the one the file names)")
     args = parser.parse_args(argv)
     path = args.run_dir / FILE
+    if not args.run_dir.is_dir():
+        print(f"error: {ascii(str(args.run_dir))[1:-1]} is no directory: give a run's "
+              f"directory (outputs/RUN_NAME)", file=sys.stderr)
+        return 2
     if not path.is_file():
         print(f"nothing unsent in {args.run_dir} (no {FILE})")
         return 0
