@@ -431,3 +431,45 @@ def test_the_unsent_file_stays_bounded(tmp_path: Path) -> None:
     unsent.append(tmp_path / unsent.FILE, [{"run": "a" * 32, "metric": ["m", 1.0, 1, 1]}] * 9)
     again = unsent.read(tmp_path / unsent.FILE)
     assert len(again.metrics) == unsent.MAX_METRICS and again.metrics[-1][1] == ("m", 1.0, 1, 1)
+
+
+def test_what_a_run_kept_is_sent_by_the_next_launch_even_under_a_new_run(
+        store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch whose store failed from step 2 to its end (killed before any checkpoint named
+    its MLflow run): the next launch in the run directory starts a new run, sends the first
+    one's kept values and ends it as it ended."""
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+
+    def failing(*args, **kwargs):
+        raise OSError("connection refused")
+
+    config = LoggerConfig(tracking_uri=store_uri, system_metrics=False)
+    tracker = MLflowTracker(config)
+    with monkeypatch.context() as patch:
+        with tracker.run("r", OmegaConf.create({"a": 1}), run_dir=tmp_path) as first:
+            tracker.log_metrics({"train/loss": 1.0}, step=1)
+            patch.setattr(tracker.client, "log_batch", failing)
+            patch.setattr(tracker.client, "log_artifact", failing)
+            # MLflow's end_run drops the active run, then its client fails to reach the store
+            patch.setattr(MlflowClient, "set_terminated", failing)
+            for step in range(2, 5):
+                tracker.log_metrics({"train/loss": float(step)}, step=step)
+            (tmp_path / "goodput.json").write_text("{}")
+            tracker.log_files([tmp_path / "goodput.json"])
+    kept = unsent.read(tmp_path / unsent.FILE)
+    assert [record[3] for _, record in kept.metrics] == [2, 3, 4]
+    assert kept.artifacts == [(first, "goodput.json")] and kept.ends[first][0] == "FINISHED"
+    client = MlflowClient(tracking_uri=store_uri)
+    assert client.get_run(first).info.status == "RUNNING"
+
+    tracker = MLflowTracker(config)
+    with tracker.run("r", OmegaConf.create({"a": 1}), run_dir=tmp_path) as second:
+        assert not (tmp_path / unsent.FILE).exists()
+    assert second != first
+    history = client.get_metric_history(first, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 5)]
+    run = client.get_run(first)
+    assert (run.info.status, run.info.end_time) == ("FINISHED", kept.ends[first][1])
+    assert [a.path for a in client.list_artifacts(first)] == ["config.yaml", "goodput.json"]
