@@ -78,6 +78,8 @@ def test_parallel_jobs_with_data_workers_share_a_new_mlflow_store(tiny_root, tmp
     (record,) = (tmp_path / "sweeps").iterdir()
     sweep = yaml.safe_load((record / "sweep.yaml").read_text())
     assert sweep["mlflow_parent_run_id"] == parent.info.run_id
+    assert parent.info.run_name == f"sweep-{sweep['id']}" == f"sweep-{record.name}"
+    assert parent.data.tags["sweep.record"] == str(record)
     assert [(j["job"], j["status"], j["run_name"], j["objective"]) for j in sweep["jobs"]] == [
         (i, "COMPLETED", r.info.run_name, r.data.metrics["val/top1"]) for i, r in enumerate(jobs)]
     assert [r.info.run_name.split(",")[0] for r in jobs] == [

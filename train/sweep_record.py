@@ -26,7 +26,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -52,13 +52,14 @@ class SweepRecord(Callback):
         for name in (RECORD_ENV, SWEPT_KEYS_ENV):
             os.environ.pop(name, None)
         started = time.time()
-        sweep_id = f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}-" \
-                   f"{secrets.token_hex(3)}"
+        sweep_id = sweep_id_of(config)
         overrides = [str(o) for o in OmegaConf.select(config, "hydra.overrides.task",
                                                       default=[]) or []]
         swept = swept_keys(overrides, OmegaConf.select(config, "hydra.sweeper.params"))
         os.environ[SWEPT_KEYS_ENV] = ",".join(swept)
-        record = Path(str(config.hydra.sweep.dir)).absolute() / SWEEPS_DIR / sweep_id
+        record = record_dir(config)
+        if record is None:
+            return
         try:
             record.mkdir(parents=True)
             write_text(record / "multirun.yaml", OmegaConf.to_yaml(config))
@@ -94,6 +95,25 @@ class SweepRecord(Callback):
         except (OSError, ValueError, AttributeError, yaml.YAMLError) as err:
             log.warning("the sweep's record %s could not be completed (%s)", record,
                         one_line(err))
+
+
+_SWEEP_IDS: Dict[int, str] = {}
+
+
+def sweep_id_of(config: DictConfig) -> str:
+    """The id of the sweep `config` runs: its start time and a random suffix (two sweeps
+    started in the same second stay apart). Every callback of the sweep gets the same one
+    (Hydra hands them one config object), the MLflow parent run's name included."""
+    return _SWEEP_IDS.setdefault(id(config), f"{time.strftime('%Y%m%d-%H%M%S')}-"
+                                             f"{secrets.token_hex(3)}")
+
+
+def record_dir(config: DictConfig) -> Optional[Path]:
+    """Where the sweep `config` runs keeps its record (None: a config without Hydra's)."""
+    sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+    if sweep_dir is None:
+        return None
+    return Path(str(sweep_dir)).absolute() / SWEEPS_DIR / sweep_id_of(config)
 
 
 def swept_keys(overrides: List[str], params: Any) -> List[str]:
