@@ -13,8 +13,8 @@ from train.errors import ConfigError
 from train.state import DataIdentity, Position, RunInfo
 
 
-def name(overrides, multirun=False, experiment="resnet"):
-    return default_run_name(experiment, overrides, DEFAULT_RUN_NAME_EXCLUDES, multirun)
+def name(overrides, multirun=False, experiment="resnet", swept=()):
+    return default_run_name(experiment, overrides, DEFAULT_RUN_NAME_EXCLUDES, multirun, swept)
 
 
 def test_the_experiment_alone_names_a_plain_run():
@@ -53,6 +53,34 @@ def test_long_names_are_shortened_but_stay_distinct():
     a = name([f"data.root=/{'x' * 200}"])
     b = name([f"data.root=/{'y' * 200}"])
     assert len(a) <= 120 and len(b) <= 120 and a != b
+
+
+FIXED = ["data.image_size=32", "checkpoint.interval_steps=2", "trainer.max_epochs=1",
+         "data.global_batch_size=20", "data.val_batch_size=30", "scheduler.warmup_steps=2",
+         "model=tiny_cnn", "logger.log_model=false", "trainer.device=cpu"]
+
+
+def test_a_sweep_job_s_name_leads_with_what_the_sweep_varies_and_stays_bounded():
+    """It was the overrides in key order cut at 100 characters plus a hash: the swept value
+    fell past the cut, invisible in the directory, the run list and MLflow's run names."""
+    lrs = ["0.001", "0.0012345678901234", "0.002"]
+    names = [name([*FIXED, f"optim.lr={lr}", "optim.weight_decay=0.05"], True,
+                  swept=["optim.weight_decay", "optim.lr"]) for lr in lrs]
+    full = sorted(name([*FIXED, "optim.lr=0.001"], True)[len("resnet-"):].split(","))
+    for job, lr in zip(names, lrs):
+        assert job.startswith(f"resnet-optim.lr={lr},optim.weight_decay=0.05,"), job
+        assert len(job) <= 120 and re.fullmatch(r".*-[0-9a-f]{10}", job), job
+        shown = job[len("resnet-"):].rsplit("-", 1)[0].split(",")
+        assert all(part in full or part.startswith("optim.") for part in shown)  # whole
+    assert len(set(names)) == len(names)
+    # the same job whatever the order typed: one run; the swept keys only order the parts
+    assert names[0] == name(["optim.weight_decay=0.05", "optim.lr=0.001", *FIXED[::-1]], True,
+                            swept=["optim.lr", "optim.weight_decay"])
+    short = name(["optim.lr=0.1", "seed=3"], True, swept=["seed"])
+    assert short == "resnet-seed=3,optim.lr=0.1"
+    assert name(["optim.lr=0.1", "seed=3"], True) == "resnet-optim.lr=0.1,seed=3"
+    assert "s3cret" not in name(["data.root=http://u:s3cret@h/v", "seed=1"], True,
+                                swept=["data.root"])
 
 
 LOCATIONS = ["checkpoint.dir=/x/ck", "checkpoint.staging_dir=/nvme/stage",

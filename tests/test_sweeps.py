@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+import yaml
 
 from support.launch import run_train
 from support.runs import tiny_overrides
@@ -73,3 +74,68 @@ def test_parallel_jobs_with_data_workers_share_a_new_mlflow_store(tiny_root, tmp
     assert [r.data.params["optim.lr"] for r in jobs] == ["0.001", "0.002"]
     assert all(r.info.status == "FINISHED" and "val/top1" in r.data.metrics for r in jobs)
     assert parent.data.tags["sweep.launcher"].endswith("JoblibLauncher")
+    # the sweep's record, its job lines written by joblib's worker processes
+    (record,) = (tmp_path / "sweeps").iterdir()
+    sweep = yaml.safe_load((record / "sweep.yaml").read_text())
+    assert sweep["mlflow_parent_run_id"] == parent.info.run_id
+    assert parent.info.run_name == f"sweep-{sweep['id']}" == f"sweep-{record.name}"
+    assert parent.data.tags["sweep.record"] == str(record)
+    assert [(j["job"], j["status"], j["run_name"], j["objective"]) for j in sweep["jobs"]] == [
+        (i, "COMPLETED", r.info.run_name, r.data.metrics["val/top1"]) for i, r in enumerate(jobs)]
+    assert [r.info.run_name.split(",")[0] for r in jobs] == [
+        "resnet-optim.lr=0.001", "resnet-optim.lr=0.002"]  # the swept value leads
+
+
+def test_every_sweep_keeps_its_own_record_and_a_complete_job_reports_what_it_reached(
+        tiny_root, tmp_path):
+    """Two sweeps into one run.root, the second sharing a job with the first: the first's
+    record is untouched, job names lead with the swept value, and the job the second sweep
+    finds complete returns the objective it reached (it was None, failing an Optuna trial)."""
+    args = sweep_args(tiny_root, tmp_path, "logger=none", "trainer.max_steps=2")
+    first = run_train([*args, "optim.lr=1e-3,2e-3"], cwd=tmp_path, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (record,) = (tmp_path / "sweeps").iterdir()
+    kept = {p.name: p.read_bytes() for p in record.iterdir()}
+    assert set(kept) == {"multirun.yaml", "sweep.yaml", "jobs.jsonl"}
+    second = run_train([*args, "optim.lr=2e-3,4e-3"], cwd=tmp_path, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "already complete" in second.stdout + second.stderr
+    records = sorted((tmp_path / "sweeps").iterdir())
+    assert len(records) == 2 and record in records
+    assert {p.name: p.read_bytes() for p in record.iterdir()} == kept  # no later sweep touches
+    sweeps = [yaml.safe_load((r / "sweep.yaml").read_text()) for r in records]
+    hydra_records = [yaml.safe_load((r / "multirun.yaml").read_text()) for r in records]
+    for sweep, hydra, lrs, swept in zip(sweeps, hydra_records, [("0.001", "0.002"),
+                                                                 ("0.002", "0.004")],
+                                        ["optim.lr=1e-3,2e-3", "optim.lr=2e-3,4e-3"]):
+        assert sweep["id"] in str(records) and sweep["started"] <= sweep["ended"]
+        assert swept in hydra["hydra"]["overrides"]["task"] and sweep["swept"] == ["optim.lr"]
+        assert [job["job"] for job in sweep["jobs"]] == [0, 1]
+        for job, lr in zip(sweep["jobs"], lrs):
+            assert job["status"] == "COMPLETED" and 0 <= job["objective"] <= 1, job
+            assert job["run_name"].startswith(f"resnet-optim.lr={lr},"), job["run_name"]
+            assert len(job["run_name"]) <= 120 and Path(job["dir"]).name == job["run_name"]
+            assert (Path(job["dir"]) / "goodput.json").is_file()
+    # the same job in both sweeps: one run, whose second launch trained nothing
+    assert sweeps[0]["jobs"][1]["run_name"] == sweeps[1]["jobs"][0]["run_name"]
+    assert sweeps[1]["jobs"][0]["objective"] == sweeps[0]["jobs"][1]["objective"]
+
+
+def test_a_sweep_record_lists_each_job_once_and_one_that_never_returned_as_running(tmp_path):
+    """Job lines from parallel processes, a job that exited the process (SystemExit skips
+    Hydra's job-end callback) and a line torn by a kill."""
+    from train.sweep_record import read_jobs, swept_keys
+
+    start = {"event": "start", "run_name": "r", "dir": "d", "overrides": [],
+             "mlflow_parent_run_id": None, "time": "t0"}
+    lines = [{**start, "job": 1}, {**start, "job": 0},
+             {**start, "job": 0, "event": "end", "status": "COMPLETED", "objective": 0.5,
+              "time": "t1"}]
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"job": 2, "ev')
+    jobs = read_jobs(path)
+    assert [(j["job"], j["status"], j["objective"], j["started"], j.get("ended"))
+            for j in jobs] == [(0, "COMPLETED", 0.5, "t0", "t1"), (1, "RUNNING", None, "t0",
+                                                                   None)]
+    assert swept_keys(["a=1", "b=1,2", "+c=range(1,3)", "d=choice(x,y)", "model=x,y"],
+                      {"e": "interval(0, 1)"}) == ["b", "c", "d", "e", "model"]

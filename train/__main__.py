@@ -47,14 +47,10 @@ def _unexpected(err: Exception) -> NoReturn:
     raise SystemExit(1)  # not EXIT_CONFIG: it may be transient, a restart may help
 
 
-def objective(metrics: Dict[str, float], key: str) -> Optional[float]:
-    """The value a sweeper optimizes: the run's last `key` (`sweep.objective`). None when the
-    run trained no step (it was already complete); a key the run never logs is the user's
+def objective(metrics: Dict[str, float], key: str) -> float:
+    """The value a sweeper optimizes: the run's last `key` (`sweep.objective`; a run that was
+    already complete reports what it reached). A key the run never logs is the user's
     mistake, said in one line."""
-    if not metrics:
-        logging.getLogger("train").warning("sweep.objective=%s: this run trained no step, so "
-                                           "it has no value to report", key)
-        return None
     if key not in metrics:
         raise ConfigError(f"sweep.objective={key} is not a metric of this run: choose one of "
                           f"{', '.join(sorted(metrics))}")

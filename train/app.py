@@ -8,7 +8,7 @@ import sys
 import json
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -37,7 +37,7 @@ from train.ft import NO_REPLICAS, FaultTolerantReplicas, Replicas, check_plan, r
 from train.goodput import Goodput
 from train.health import HealthMonitor, HealthState, Watchdog
 from train.launch import replica_dir_name, use_node_local_dirs
-from train.loop import Learner, LoopPlan, fit
+from train.loop import Learner, LoopPlan, evaluate, fit
 from train.model import build_model
 from train.optim import build_optimizer, build_scheduler
 from train.parallel import full_state_dict, parallelize
@@ -119,6 +119,7 @@ class Job:
     checkpointer: Optional[Checkpointer]
     card: Dict[str, Any]  # what a user of the final model needs to know (model_card)
     replicas: Replicas = NO_REPLICAS  # ddp_ft: the replica groups this one trains with
+    splits: Dict[str, Any] = field(default_factory=dict)  # the data.index.DatasetIndex of each
 
 
 def train_in_world(cfg: DictConfig, world: World, device: torch.device,
@@ -192,7 +193,7 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
                                       cfg.health.replica_check_steps if cfg.health.enabled
                                       else 0) if in_band else NO_REPLICAS)
     return Job(plan, learner, loader_at, val_loader, info, health, checkpointer, card,
-               replicas)
+               replicas, {"train": train_set.index, "val": val_set.index})
 
 
 def model_card(cfg: DictConfig, classes: List[str]) -> Dict[str, Any]:
@@ -235,15 +236,19 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         preemption: PreemptionFlag, faults: FaultHook, start: float) -> Dict[str, float]:
     """Train to the end under the MLflow run, then save the final weights."""
     run_dir = run_dir_of(cfg)
-    with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id) as run_id:
+    with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id,
+                     run_dir=run_dir) as run_id:
         # every rank saves the same
         job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
         tracker.log_params(parameter_counts(job.learner.model))
+        tracker.log_datasets(job.splits)
         goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)
         watchdog = Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0)
         metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,
                       job.health, watchdog, preemption, job.checkpointer, goodput, tracker,
                       faults, job.replicas)
+        if position.step >= job.plan.total_steps:  # complete already: nothing was trained
+            metrics = metrics_reached(cfg, job, world, tracker)
         if job.checkpointer:
             job.checkpointer.close()
         job.replicas.close()
@@ -262,6 +267,17 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         log.info("done in %.0fs: %s; %s", time.perf_counter() - start,
                  describe(metrics, ["train/loss", "val/loss", "val/top1"]), goodput.summary())
     return metrics
+
+
+def metrics_reached(cfg: DictConfig, job: Job, world: World,
+                    tracker: NullTracker) -> Dict[str, float]:
+    """What a run that was already complete reached, for the sweeper that runs it again: the
+    last values its MLflow run holds, or, where those lack `sweep.objective`, its last
+    validation again (the final checkpoint's weights, so the same numbers)."""
+    logged = broadcast_object(tracker.last_metrics(), world.control_group)
+    if cfg.sweep.objective not in logged:
+        logged.update(evaluate(job.learner.model, job.val_loader, job.plan))  # every rank
+    return logged
 
 
 def wants_final_weights(cfg: DictConfig) -> bool:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional, get_type_hints
+from typing import Any, List, Optional, Sequence, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -455,8 +456,12 @@ class LoggerConfig:
     # None: MLflow's own default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd).
     tracking_uri: Optional[str] = None
     experiment_name: str = "goodput-trainer"
-    # CPU, memory, disk, network (and GPU, with nvidia-ml-py) every 10 s (mlflow, psutil)
+    # CPU, memory, disk, network (and GPU, with nvidia-ml-py) every system_metrics_seconds
+    # (mlflow's monitors, psutil)
     system_metrics: bool = True
+    system_metrics_seconds: float = bounded(10.0, gt=0, le=3600)
+    # While the store fails, how long between attempts (each may block a step for seconds)
+    retry_seconds: float = bounded(30.0, gt=0, le=3600)
     # The final model as an MLflow model (`model`; seconds, most of it importing
     # torch.export); registered under this name in MLflow's model registry when one is given
     log_model: bool = True
@@ -537,12 +542,19 @@ def _name_part(text: str, limit: int = 32) -> str:
     return f"{tail}~{hashlib.sha1(clean.encode()).hexdigest()[:8]}"
 
 
+MAX_RUN_NAME = 120  # a directory name, an MLflow run name and a line of `ls`
+SWEPT_KEYS_ENV = "GOODPUT_SWEPT_KEYS"  # set by the sweep's record (train/sweep_record.py)
+
+
 def default_run_name(experiment: Optional[str], overrides: List[str], excludes: List[str],
-                     keep_excluded: bool = False) -> str:
+                     keep_excluded: bool = False, swept: Sequence[str] = ()) -> str:
     """The experiment name plus the overrides that change what is trained.
 
     `keep_excluded` is set for multirun jobs: a sweep over an otherwise ignored key must
-    still give every job its own directory, so only `LOCATION_KEYS` are dropped.
+    still give every job its own directory, so only `LOCATION_KEYS` are dropped. The keys a
+    sweep varies (`swept`) lead, so a job's value shows first; the parts are joined by `,`,
+    which no part holds, so the name still tells every set of overrides apart. Past
+    MAX_RUN_NAME the parts that do not fit give way to a hash of the whole name.
     """
     # A key given twice counts once, with its last value, as Hydra applies it.
     last = {override.lstrip("+~").partition("=")[0]: override for override in overrides}
@@ -553,14 +565,28 @@ def default_run_name(experiment: Optional[str], overrides: List[str], excludes: 
             continue
         if not keep_excluded and _matches(key, excludes):
             continue
-        kept.append(_name_part(key, 64) + (f"={_name_part(value)}" if has_value else ""))
+        part = _name_part(key, 64) + (f"={_name_part(value)}" if has_value else "")
+        kept.append((key not in swept, part))
     name = _name_part(experiment or "default", 64)
-    if kept:
-        name += "-" + ",".join(sorted(kept))
-    if len(name) > 120:  # keep directory names legal; the hash keeps them distinct
-        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-        name = f"{name[:100]}-{digest}"
-    return name
+    if not kept:
+        return name
+    parts = [part for _, part in sorted(kept)]
+    full = f"{name}-{','.join(parts)}"
+    if len(full) <= MAX_RUN_NAME:
+        return full
+    digest = hashlib.sha1(full.encode()).hexdigest()[:10]
+    room = MAX_RUN_NAME - len(name) - len(digest) - 3  # "-", then "-" before the digest
+    shown = []
+    for part in parts:  # whole parts only: a value cut short would read as another value
+        if len(",".join([*shown, part])) > room:
+            break
+        shown.append(part)
+    return f"{name}-{','.join(shown)}-{digest}" if shown else f"{name}-{digest}"
+
+
+def swept_keys() -> List[str]:
+    """The keys the sweep running this job varies, as its record handed them on."""
+    return [key for key in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if key]
 
 
 def _resolve_run_name(*, _root_: Any) -> str:
@@ -568,11 +594,13 @@ def _resolve_run_name(*, _root_: Any) -> str:
         hydra_cfg = HydraConfig.get()
     except ValueError:  # composed outside @hydra.main (tests, notebooks)
         return "default"
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     return default_run_name(
         experiment=hydra_cfg.runtime.choices.get("experiment"),
         overrides=list(hydra_cfg.overrides.task),
         excludes=list(_root_.run.exclude_keys),
-        keep_excluded=hydra_cfg.mode == RunMode.MULTIRUN,
+        keep_excluded=multirun,
+        swept=swept_keys() if multirun else (),
     )
 
 

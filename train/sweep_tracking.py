@@ -7,10 +7,10 @@ parent there and hands its id to the jobs in PARENT_ENV, which every launcher pa
 the basic launcher's jobs share the process, joblib's workers and submitit's local
 processes inherit the environment, and sbatch exports it to SLURM jobs by default.
 
-Why not a parent that the jobs find or create under a file lock: nothing here names a
-sweep (every sweep shares `hydra.sweep.dir`, which is `run.root`), and a lock on the
-shared file system that SLURM jobs see is not to be trusted; one creation in one process
-needs neither. Each job names the parent when its run starts (train/tracking.py) and, when
+Why not a parent that the jobs find or create under a file lock: a lock on the shared
+file system that SLURM jobs see is not to be trusted; one creation in one process needs
+none. The parent is named by the sweep's id (`sweep-<id>`, train/sweep_record.py) and
+tagged with its record's directory (`sweep.record`). Each job names the parent when its run starts (train/tracking.py) and, when
 it ends, records the best objective so far on the parent (`best/<objective>`, its step the
 number of jobs compared, so a stale write never hides a newer one); after the last job the
 callback records it once more and ends the parent.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +114,12 @@ def create_parent_run(config: DictConfig) -> str:
             "sweep.direction": value_of(config.sweep.direction),
             "sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
             "sweep.launcher": str(OmegaConf.select(config, "hydra.launcher._target_"))}
-    run = client.create_run(experiment_id, run_name=f"sweep-{time.strftime('%Y%m%d-%H%M%S')}",
-                            tags=tags)
+    from train.sweep_record import record_dir, sweep_id_of  # it imports this module
+
+    record = record_dir(config)
+    if record is not None:
+        tags["sweep.record"] = strip_credentials(str(record))
+    run = client.create_run(experiment_id, run_name=f"sweep-{sweep_id_of(config)}", tags=tags)
     client.set_tag(run.info.run_id, "sweep.id", run.info.run_id)
     log.info("MLflow: sweep parent run %s (%s)", run.info.run_name, run.info.run_id)
     return run.info.run_id
@@ -167,10 +170,14 @@ def open_experiment(client: Any, name: str) -> str:
 
 def mlflow_client(tracking_uri: Optional[str]) -> Any:
     """A client of `tracking_uri`, or of MLflow's default store (None); MLflow's global
-    tracking URI stays as it was (the basic launcher's jobs share this process)."""
+    tracking URI stays as it was (the basic launcher's jobs share this process). Making one
+    opens the store, which creates a new sqlite store: under its lock, or two sweeps started
+    at once both migrate its schema and one fails ("duplicate column name: step")."""
     import mlflow  # slow to import: only when MLflow is used
 
-    return mlflow.MlflowClient(tracking_uri=tracking_uri or mlflow.get_tracking_uri())
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    with sqlite_creation_lock(uri):
+        return mlflow.MlflowClient(tracking_uri=uri)
 
 
 @contextmanager

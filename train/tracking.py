@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import queue
+import threading
 import time
-from collections import deque
+import warnings
 from contextlib import contextmanager
-from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -19,6 +21,7 @@ from data.redact import strip_credentials
 from train.config import LoggerConfig, LoggerName
 from train.distributed import World
 from train.errors import ConfigError
+from train import unsent
 from train.preemption import Preempted
 from train.sweep_tracking import (CHECK_HTTP_SETTINGS, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT,
                                   PARENT_ENV, SweepJob, current_sweep_job, environment,
@@ -27,10 +30,11 @@ from train.sweep_tracking import (CHECK_HTTP_SETTINGS, EXPERIMENT_KIND_TAG, MODE
 
 log = logging.getLogger(__name__)
 MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params
-MAX_METRICS_PER_CALL = 1000  # and for metrics
-MAX_PENDING_METRICS = 100_000  # held while the store is down: ~20 MB
-RETRY_SECONDS = 30  # between attempts to reach a failed store (each may block a step)
-RUN_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
+# The link MLflow prints at a run's end opens MLflow 3's UI in whatever view the browser last
+# used (GenAI by default): the run logs its own (MLflowTracker.link) instead.
+RUN_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+DATASET_CONTEXTS = {"train": "training", "val": "validation"}  # MLflow's usual names
 GOODPUT_IN_GROUP = "goodput/fraction"  # `goodput` again, drawn among the goodput/* charts
 
 
@@ -73,8 +77,8 @@ class NullTracker:
     """Logs nothing: `logger=none`, and every rank but 0."""
 
     @contextmanager
-    def run(self, run_name: str, config: DictConfig,
-            resume_run_id: Optional[str] = None) -> Iterator[Optional[str]]:
+    def run(self, run_name: str, config: DictConfig, resume_run_id: Optional[str] = None,
+            run_dir: Optional[Path] = None) -> Iterator[Optional[str]]:
         yield resume_run_id
 
     def check(self) -> Optional[str]:
@@ -82,6 +86,9 @@ class NullTracker:
 
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         pass
+
+    def last_metrics(self) -> Dict[str, float]:
+        return {}
 
     def log_artifact(self, path: Path) -> None:
         pass
@@ -92,14 +99,19 @@ class NullTracker:
     def log_params(self, params: Dict[str, str]) -> None:
         pass
 
+    def log_datasets(self, splits: Dict[str, Any]) -> None:
+        pass
+
     def log_model(self, model: torch.nn.Module, example: torch.Tensor,
                   metadata: Dict[str, Any]) -> None:
         pass
 
 
 class MLflowTracker:
-    """Rank 0's MLflow run. A store that fails mid-run never stops training: metrics wait
-    in memory (up to MAX_PENDING_METRICS values) and are sent when the store answers again."""
+    """Rank 0's MLflow run. A store that fails mid-run never stops training: what it did not
+    take (metrics, system metrics, artifacts, the run's end) waits in memory and in the run
+    directory's mlflow_unsent.jsonl (train/unsent.py), and is sent when the store answers
+    again: later in the run, at the run's next launch, or by `python -m train.unsent`."""
 
     def __init__(self, cfg: LoggerConfig) -> None:
         import mlflow  # slow to import: only when MLflow is used
@@ -112,12 +124,16 @@ class MLflowTracker:
         self.uri = strip_credentials(mlflow.get_tracking_uri())
         self.client: Any = None  # made once the store is known to open (check or run)
         self.run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None
         self.sweep: Optional[SweepJob] = None  # set when the run starts under a live parent
-        self.pending: Deque[Any] = deque()  # mlflow.entities.Metric, oldest first
-        self.dropped = 0
+        self.unsent = unsent.Unsent(uri=self.uri)
+        self.unsent_dir: Optional[Path] = None  # the run directory, which keeps the file
         self.retry_at: Optional[float] = None  # set while the store is failing
+        self.system: Optional[SystemMetrics] = None
+        self.system_values: "queue.SimpleQueue[Tuple[Dict[str, float], int, int]]" = \
+            queue.SimpleQueue()
         # MLflow retries a failed HTTP request for ~4 minutes by default, blocking the step;
-        # with metrics buffered here a short attempt is enough. The user's settings win.
+        # with what is unsent kept here a short attempt is enough. The user's settings win.
         for name, value in RUN_HTTP_SETTINGS.items():
             os.environ.setdefault(name, value)
 
@@ -140,15 +156,17 @@ class MLflowTracker:
                     f"without tracking (logger=none)")
 
     @contextmanager
-    def run(self, run_name: str, config: DictConfig,
-            resume_run_id: Optional[str] = None) -> Iterator[Optional[str]]:
-        """Start (or, after a resume, reopen) the MLflow run; yields its id.
+    def run(self, run_name: str, config: DictConfig, resume_run_id: Optional[str] = None,
+            run_dir: Optional[Path] = None) -> Iterator[Optional[str]]:
+        """Start (or, after a resume, reopen) the MLflow run; yields its id. What an earlier
+        launch in `run_dir` left unsent goes first.
 
         MLflow params are immutable, so a resumed run records the config it resumed with
         as tags (`resume.<key>` for each value that differs from the logged params).
         The run ends FAILED if the body raises, KILLED if it was preempted (it goes on
         when the same command runs again).
         """
+        self.unsent_dir = run_dir
         try:
             self.run_id = self._start(strip_credentials(run_name), config, resume_run_id)
         except Exception as err:  # the store failed after the start check: train anyway
@@ -157,6 +175,9 @@ class MLflowTracker:
             self._end_half_started_run()
             yield resume_run_id
             return
+        self._take_back_unsent()
+        self.flush()
+        self._start_system_metrics()
         status = "FAILED"
         try:
             yield self.run_id
@@ -165,15 +186,37 @@ class MLflowTracker:
             status = "KILLED"
             raise
         finally:
+            if self.system:
+                self.system.finish()
             self.log_files([Path(h.baseFilename) for h in logging.getLogger().handlers
                             if isinstance(h, logging.FileHandler)])  # the run's log
-            self.flush(final=True)
-            try:
-                self.mlflow.end_run(status)
-            except Exception as err:
-                log.warning("MLflow store %s failed when ending run %s (%s): it stays "
-                            "RUNNING there", self.uri, self.run_id, one_line(err))
+            self._end(status)
             self._record_sweep_best(config)
+
+    def _end(self, status: str) -> None:
+        """End the run as `status`, now; what the store does not take is kept, end included."""
+        end_time = int(time.time() * 1000)
+        sent = self.flush(final=True)
+        try:
+            self.mlflow.end_run(status)  # drops the active run, then tells the store
+            ended = True
+        except Exception:  # the store that fails: the end is kept with the rest
+            ended = False
+        if sent and ended:
+            return
+        self.unsent.ends[self.run_id] = (status, end_time)
+        self._keep()
+        what = (f"{len(self.unsent.metrics) + self.unsent.dropped} metric values, "
+                f"{len(self.unsent.artifacts)} files{', the model' if self.unsent.models else ''}"
+                f" and the run's end ({status})")
+        if self.unsent_dir is None:
+            log.warning("MLflow store %s still fails at the end of the run: %s were not "
+                        "logged", self.uri, what)
+            return
+        log.warning("MLflow store %s still fails at the end of the run: %s are kept in %s, "
+                    "sent at this run's next launch or by `python -m train.unsent %s`; the "
+                    "run stays RUNNING there until then", self.uri, what,
+                    self._unsent_file(), self.unsent_dir)
 
     def _end_half_started_run(self) -> None:
         """A run the failed start left active would refuse the next job's start in this
@@ -200,6 +243,7 @@ class MLflowTracker:
     def _start(self, run_name: str, config: DictConfig, resume_run_id: Optional[str]) -> str:
         mlflow = self.mlflow
         experiment = mlflow.set_experiment(self.experiment_name)
+        self.experiment_id = experiment.experiment_id
         self.client = mlflow.tracking.MlflowClient()
         params = mlflow_params(config)
         if resume_run_id and not self._exists(resume_run_id):
@@ -207,12 +251,14 @@ class MLflowTracker:
                         self.uri)
             resume_run_id = None
         sweep = self.sweep = self._sweep_job(experiment.experiment_id)
+        # System metrics come from a monitor of our own (SystemMetrics), never MLflow's.
         active = mlflow.start_run(run_id=resume_run_id,
                                   run_name=None if resume_run_id else run_name,
-                                  log_system_metrics=self.cfg.system_metrics)
+                                  log_system_metrics=False)
         if sweep:  # a resumed job moves to the sweep that finishes it
             mlflow.set_tags(sweep.tags())
-        log.info("MLflow run %s (%s) at %s", run_name, active.info.run_id, self.uri)
+        log.info("MLflow run %s (%s): %s", run_name, active.info.run_id,
+                 self.link(active.info.run_id))
         if resume_run_id:
             logged = active.data.params
             changed = {f"resume.{k}": v for k, v in params.items() if logged.get(k) != v}
@@ -224,6 +270,15 @@ class MLflowTracker:
             mlflow.log_text(strip_credentials(OmegaConf.to_yaml(config, resolve=True)),
                             "config.yaml")
         return active.info.run_id
+
+    def link(self, run_id: str) -> str:
+        """Where the run opens in MLflow's UI, in its model-training view: MLflow 3 keeps the
+        view (GenAI or machine learning) per browser, so the link says which."""
+        path = (f"#/experiments/{self.experiment_id}/runs/{run_id}"
+                f"?workflowType=machine_learning")
+        if self.uri.startswith(("http://", "https://")):
+            return f"{self.uri.rstrip('/')}/{path}"
+        return f"{path} in `mlflow ui --backend-store-uri {self.uri}`"
 
     def _sweep_job(self, experiment_id: str) -> Optional[SweepJob]:
         """This process's sweep job, if its parent is a live run of this experiment; else one
@@ -245,30 +300,97 @@ class MLflowTracker:
         except self.mlflow.exceptions.MlflowException:
             return False
 
+    def _unsent_file(self) -> Optional[Path]:
+        return self.unsent_dir / unsent.FILE if self.unsent_dir else None
+
+    def _take_back_unsent(self) -> None:
+        """What an earlier launch in this run directory could not send joins what this one
+        sends. This run goes on (its kept end and model are this launch's to write); any
+        other run of the file (its launch had no checkpoint to name it) is ended as it
+        ended, or, if its process died, FAILED at its last metric's time."""
+        path = self._unsent_file()
+        if path is None or not path.is_file():
+            return
+        try:
+            earlier = unsent.read(path)
+        except OSError as err:
+            log.warning("%s could not be read (%s): what it holds stays there", path, err)
+            return
+        earlier.ends.pop(self.run_id, None)
+        for run in {run for run, _ in earlier.metrics} | set(earlier.models):
+            if run != self.run_id:
+                earlier.ends.setdefault(run, ("FAILED", None))
+        log.info("MLflow: sending what an earlier launch kept in %s (%d metric values)", path,
+                 len(earlier.metrics))
+        self.unsent.metrics.extendleft(reversed(earlier.metrics))
+        self.unsent.artifacts[:0] = earlier.artifacts
+        self.unsent.ends.update(earlier.ends)  # the models: this launch logs its own
+
+    def _start_system_metrics(self) -> None:
+        if not self.cfg.system_metrics:
+            return
+        try:  # a resumed run's system metrics go on from its last step
+            logged = self.client.get_run(self.run_id).data._metric_objs
+        except Exception as err:
+            log.warning("MLflow store %s failed to give run %s (%s): its system metrics "
+                        "start again at step 0", self.uri, self.run_id, one_line(err))
+            logged = []
+        steps = [m.step for m in logged if m.key.startswith(SystemMetrics.PREFIX)]
+        self.system = SystemMetrics(self.system_values.put, self.cfg.system_metrics_seconds,
+                                    first_step=max(steps) + 1 if steps else 0)
+        self.system.start()
+
     def log_metrics(self, metrics: Dict[str, float], step: int) -> None:
         if self.run_id is None:  # the run never started: nothing to log into
             return
         if "goodput" in metrics:  # the UI groups by prefix: the headline next to its parts
             metrics = {**metrics, GOODPUT_IN_GROUP: metrics["goodput"]}
-        now = int(time.time() * 1000)
-        self.pending.extend(self.mlflow.entities.Metric(key, float(value), now, step)
-                            for key, value in metrics.items())
-        overflow = len(self.pending) - MAX_PENDING_METRICS
-        for _ in range(max(overflow, 0)):
-            self.pending.popleft()
-        self.dropped += max(overflow, 0)
+        self._queue(metrics, int(time.time() * 1000), step)
         if self.retry_at is None or time.monotonic() >= self.retry_at:
             self.flush()
 
+    def _queue(self, metrics: Dict[str, float], when_ms: int, step: int) -> None:
+        """Metric values join what waits to be sent; while the store fails, the file too."""
+        lines = self.unsent.add_metrics(self.run_id, [(key, float(value), when_ms, step)
+                                                      for key, value in metrics.items()])
+        if self.retry_at is not None and self._unsent_file():
+            try:
+                unsent.append(self._unsent_file(), lines)
+            except OSError as err:
+                log.warning("%s could not be written (%s)", self._unsent_file(), err)
+
+    def _take_system_metrics(self) -> None:
+        while not self.system_values.empty():
+            self._queue(*self.system_values.get())
+
+    def last_metrics(self) -> Dict[str, float]:
+        """The run's last value of each metric, as the store holds them ({} when it does not
+        answer, or the run never started)."""
+        if self.run_id is None:
+            return {}
+        try:
+            return dict(self.client.get_run(self.run_id).data.metrics)
+        except Exception as err:
+            log.warning("MLflow store %s failed to give run %s's metrics (%s)", self.uri,
+                        self.run_id, one_line(err))
+            return {}
+
     def log_artifact(self, path: Path) -> None:
-        """Attach a file to the run; a store that fails only warns (it is a report)."""
+        """Attach a file to the run; a store that fails keeps it for later if it is a file of
+        the run's directory, else only warns (it is a report)."""
         if self.run_id is None:
             return
-        try:
-            self.client.log_artifact(self.run_id, str(path))
-        except Exception as err:
-            log.warning("MLflow store %s failed to take %s (%s)", self.uri, path.name,
-                        one_line(err))
+        if self.retry_at is None:
+            try:
+                self.client.log_artifact(self.run_id, str(path))
+                return
+            except Exception as err:
+                log.warning("MLflow store %s failed to take %s (%s)", self.uri, path.name,
+                            one_line(err))
+                self.retry_at = time.monotonic() + self.cfg.retry_seconds
+        if self.unsent_dir and path.resolve().parent == self.unsent_dir.resolve():
+            self.unsent.artifacts.append((self.run_id, path.name))
+            self._keep()
 
     def log_files(self, paths: List[Path]) -> None:
         """Attach those of `paths` that exist (a run that failed early wrote fewer)."""
@@ -286,12 +408,26 @@ class MLflowTracker:
             log.warning("MLflow store %s failed to take params %s (%s)", self.uri,
                         ", ".join(params), one_line(err))
 
+    def log_datasets(self, splits: Dict[str, Any]) -> None:
+        """Each split (a data.index.DatasetIndex) as a dataset input of the run: its name, the
+        digest of its index, its number of samples and classes, and where it lives (the
+        index's URL, credentials stripped)."""
+        if self.run_id is None:
+            return
+        try:
+            self.client.log_inputs(self.run_id, datasets=[
+                dataset_input(split, index) for split, index in splits.items()])
+        except Exception as err:
+            log.warning("MLflow store %s failed to take the datasets (%s)", self.uri,
+                        one_line(err))
+
     def log_model(self, model: torch.nn.Module, example: torch.Tensor,
                   metadata: Dict[str, Any]) -> None:
         """The trained model as an MLflow model (`model`), with its signature and an input
         example, registered under `logger.registered_model_name` when set. MLflow 3 saves it
         with torch.export ("pt2"): loading runs no pickled code and needs no class of ours.
-        A failure only warns: model_final.pt holds the same weights."""
+        A failure only warns: model_final.pt holds the same weights, and the run's next
+        launch logs the model."""
         if self.run_id is None or not self.cfg.log_model:
             return
         from mlflow.models import infer_signature
@@ -309,35 +445,131 @@ class MLflowTracker:
         except Exception as err:
             log.warning("MLflow store %s failed to take the model (%s): model_final.pt holds "
                         "the same weights", self.uri, one_line(err))
+            self.unsent.models.append(self.run_id)
+            self._keep()
 
-    def flush(self, final: bool = False) -> None:
-        """Send what is pending; on failure keep it and try again after RETRY_SECONDS."""
+    def flush(self, final: bool = False) -> bool:
+        """Send what waits; True when nothing is left. On failure keep it (in memory and in
+        the run directory's file) and try again after `logger.retry_seconds`."""
         if self.run_id is None:
-            return
-        sent = 0
+            return True
+        self._take_system_metrics()
+        if not (self.unsent.metrics or self.unsent.artifacts or self.unsent.ends):
+            return True
         try:
-            while self.pending:
-                batch = list(islice(self.pending, MAX_METRICS_PER_CALL))
-                self.client.log_batch(self.run_id, metrics=batch)
-                for _ in batch:
-                    self.pending.popleft()
-                sent += len(batch)
+            sent = unsent.send(self.client, self.unsent, self.unsent_dir or Path("."),
+                               finish=list(self.unsent.ends))
         except Exception as err:  # an outage of the store never stops training
-            if final:
-                log.warning("MLflow store %s still fails at the end of the run (%s): %d "
-                            "metric values were not logged", self.uri, one_line(err),
-                            len(self.pending) + self.dropped)
-            elif self.retry_at is None:
+            if self.retry_at is None and not final:
+                kept = self._unsent_file()
                 log.warning("MLflow store %s failed (%s): training goes on; metrics are kept "
-                            "in memory (up to %d values, the oldest dropped beyond that) and "
-                            "sent when it answers again (tried every %ds)", self.uri,
-                            one_line(err), MAX_PENDING_METRICS, RETRY_SECONDS)
-            self.retry_at = time.monotonic() + RETRY_SECONDS
-            return
+                            "in memory%s (up to %d values, the oldest dropped beyond that) "
+                            "and sent when it answers again (tried every %gs)", self.uri,
+                            one_line(err), f" and in {kept}" if kept else "",
+                            unsent.MAX_METRICS, self.cfg.retry_seconds)
+            self.retry_at = time.monotonic() + self.cfg.retry_seconds
+            self._keep()
+            return False
         if self.retry_at is not None:
-            log.info("MLflow store %s answers again: sent %d buffered metric values (%d "
-                     "dropped)", self.uri, sent, self.dropped)
-            self.retry_at, self.dropped = None, 0
+            log.info("MLflow store %s answers again: sent %d kept metric values (%d "
+                     "dropped)", self.uri, sent, self.unsent.dropped)
+        self.retry_at, self.unsent.dropped = None, 0
+        self._keep()  # nothing left but a missing model, if that: the file goes, or shrinks
+        return True
+
+    def _keep(self) -> None:
+        """The file holds what is unsent now (none when nothing is)."""
+        path = self._unsent_file()
+        if path is None:
+            return
+        try:
+            unsent.write(path, self.unsent)
+        except OSError as err:
+            log.warning("%s could not be written (%s): what is unsent is in memory only",
+                        path, err)
+
+
+class SystemMetrics:
+    """MLflow's system monitors (CPU, memory, disk, network, and GPU with nvidia-ml-py)
+    sampled every `interval` seconds on a thread of its own, each sample handed to `sink`
+    as (values, time in ms, step). MLflow's own monitor thread logs to the store itself and
+    stops for good at the first call that fails; these values go with the run's other
+    metrics, kept through an outage."""
+
+    PREFIX = "system/"
+
+    def __init__(self, sink: Callable[[Tuple[Dict[str, float], int, int]], None],
+                 interval: float, first_step: int = 0) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        # Its monitors only: its constructor would open the store.
+        monitor = SystemMetricsMonitor.__new__(SystemMetricsMonitor)
+        self.monitors = [*_default_monitors(), *filter(None, [
+            monitor._initialize_gpu_monitor()])]
+        self.sink, self.interval, self.step = sink, interval, first_step
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, name="SystemMetrics", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._sample_once()
+            except Exception as err:  # a monitor that fails (psutil, NVML) ends the sampling
+                log.warning("system metrics stop: %s", one_line(err))
+                return
+
+    def _sample_once(self) -> None:
+        for monitor in self.monitors:
+            monitor.collect_metrics()
+        if self.stop.wait(self.interval):
+            return
+        values: Dict[str, float] = {}
+        for monitor in self.monitors:
+            values.update(monitor.aggregate_metrics())
+            monitor.clear_metrics()
+        self.sink(({f"{self.PREFIX}{k}": float(v) for k, v in values.items()},
+                   int(time.time() * 1000), self.step))
+        self.step += 1
+
+
+def _default_monitors() -> List[Any]:
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+    from mlflow.system_metrics.metrics.disk_monitor import DiskMonitor
+    from mlflow.system_metrics.metrics.network_monitor import NetworkMonitor
+
+    return [CPUMonitor(), DiskMonitor(), NetworkMonitor()]
+
+
+def dataset_input(split: str, index: Any) -> Any:
+    """`index` (a split's data.index.DatasetIndex) as an MLflow dataset input: named by the
+    dataset's folder and the split, its source resolved by MLflow where it knows the scheme
+    (local, s3, gs, http, ...), else an `external` URI."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    url = strip_credentials(index.url)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(url)
+        source_type, source_json = source._get_source_type(), strip_credentials(
+            source.to_json())
+    except Exception:  # a scheme MLflow has no source for (webdav, ...)
+        source_type, source_json = "external", json.dumps({"uri": url})
+    parts = [p for p in url.rstrip("/").split("/") if p]
+    name = "/".join(parts[-2:]) if len(parts) >= 2 else url
+    profile = json.dumps({"num_samples": len(index), "num_classes": len(index.classes)})
+    return DatasetInput(Dataset(name=name, digest=index.digest, source_type=source_type,
+                                source=source_json, profile=profile),
+                        tags=[InputTag("mlflow.data.context", DATASET_CONTEXTS.get(split,
+                                                                                   split))])
 
 
 def build_tracker(cfg: LoggerConfig, rank: int) -> NullTracker | MLflowTracker:

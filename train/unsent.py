@@ -1,0 +1,249 @@
+"""What the MLflow store did not take, kept in one file of the run's directory until it does.
+
+`<run dir>/mlflow_unsent.jsonl`, a JSON line per item, each naming its MLflow run:
+
+    {"run": ID, "uri": STORE}                         the store (credentials stripped)
+    {"run": ID, "metric": [key, value, time_ms, step]}
+    {"run": ID, "artifact": NAME}                     a file of the run's directory
+    {"run": ID, "model": true}                        the final model was not logged
+    {"run": ID, "end": [status, end_time_ms]}         how and when the run ended (null:
+                                                      its process died, time unknown)
+
+The tracker (train/tracking.py) writes it while the store fails and deletes it once all is
+sent; the next launch of the run sends what it holds, and so does
+
+    python -m train.unsent RUN_DIR [--tracking-uri URI]
+
+which then ends each run with its recorded status and end time (a run whose process died
+without an end: FAILED, at its last metric's time). The model it cannot rebuild: launching
+the run again logs it (a complete run trains nothing and logs its final model).
+
+The file is input: it is parsed as JSON only, kept to MAX_METRICS metric values (the oldest
+beyond go), lines longer than MAX_LINE are skipped, and an artifact is a plain file name in
+the run's directory, never a path elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
+
+from common.files import atomic_file
+from data.redact import strip_credentials
+from train.sweep_tracking import one_line
+
+FILE = "mlflow_unsent.jsonl"
+MAX_METRICS = 100_000  # ~8 MB on disk, ~20 MB in memory
+MAX_LINE = 2048
+MAX_METRICS_PER_CALL = 1000  # MLflow's batch limit for metrics
+RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+MetricRecord = Tuple[str, float, int, int]  # key, value, time (ms), step
+
+
+@dataclass
+class Unsent:
+    """Everything not yet sent, by run: metric values (oldest first), artifact names, runs
+    whose model is missing, and how the runs ended."""
+
+    uri: str = ""
+    metrics: Deque[Tuple[str, MetricRecord]] = field(default_factory=deque)
+    artifacts: List[Tuple[str, str]] = field(default_factory=list)
+    models: List[str] = field(default_factory=list)
+    ends: Dict[str, Tuple[str, Optional[int]]] = field(default_factory=dict)  # None: unknown
+    dropped: int = 0  # metric values over MAX_METRICS, lost
+
+    def add_metrics(self, run_id: str, records: Iterable[MetricRecord]) -> List[Dict[str, Any]]:
+        """Queue `records`; returns their file lines (for `append`)."""
+        lines = []
+        for record in records:
+            self.metrics.append((run_id, record))
+            lines.append({"run": run_id, "metric": list(record)})
+        overflow = len(self.metrics) - MAX_METRICS
+        for _ in range(max(overflow, 0)):
+            self.metrics.popleft()
+        self.dropped += max(overflow, 0)
+        return lines
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics or self.artifacts or self.models or self.ends)
+
+    def lines(self) -> Iterable[Dict[str, Any]]:
+        runs = {run for run, _ in self.metrics} | set(self.ends) | set(self.models) | {
+            run for run, _ in self.artifacts}
+        for run in sorted(runs):
+            yield {"run": run, "uri": strip_credentials(self.uri)}
+        for run, record in self.metrics:
+            yield {"run": run, "metric": list(record)}
+        for run, name in self.artifacts:
+            yield {"run": run, "artifact": name}
+        for run in self.models:
+            yield {"run": run, "model": True}
+        for run, (status, end_time) in self.ends.items():
+            yield {"run": run, "end": [status, end_time]}
+
+
+def write(path: Path, unsent: Unsent) -> None:
+    """The whole file, replaced at once (a crash leaves the old one); none when all is sent."""
+    if not unsent:
+        path.unlink(missing_ok=True)
+        return
+    with atomic_file(path) as f:
+        f.write("".join(json.dumps(line) + "\n" for line in unsent.lines()).encode())
+
+
+def append(path: Path, lines: List[Dict[str, Any]]) -> None:
+    """More lines in one write, so a crash tears at most the last one (`read` skips it)."""
+    if lines:
+        with open(path, "ab") as f:
+            f.write("".join(json.dumps(line) + "\n" for line in lines).encode())
+
+
+def read(path: Path) -> Unsent:
+    """The file's content, checked item by item; a missing file is nothing unsent."""
+    unsent = Unsent()
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return unsent
+    with f:
+        for raw in f:
+            item = _parse(raw)
+            if item is not None:
+                _add(unsent, item)
+    return unsent
+
+
+def _parse(raw: bytes) -> Optional[Dict[str, Any]]:
+    if len(raw) > MAX_LINE:
+        return None
+    try:
+        item = json.loads(raw)
+    except ValueError:  # a torn last line
+        return None
+    if not isinstance(item, dict) or not _is_run_id(item.get("run")):
+        return None
+    return item
+
+
+def _is_run_id(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 64 and value.isalnum()
+
+
+def _add(unsent: Unsent, item: Dict[str, Any]) -> None:
+    run = item["run"]
+    if isinstance(item.get("uri"), str):
+        unsent.uri = strip_credentials(item["uri"])
+    metric = item.get("metric")
+    if (isinstance(metric, list) and len(metric) == 4 and isinstance(metric[0], str)
+            and len(metric[0]) <= 250 and isinstance(metric[1], (int, float))
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in metric[2:])):
+        unsent.add_metrics(run, [(metric[0], float(metric[1]), metric[2], metric[3])])
+    name = item.get("artifact")
+    if isinstance(name, str) and name == Path(name).name and name not in ("", ".", ".."):
+        if (run, name) not in unsent.artifacts:
+            unsent.artifacts.append((run, name))
+    if item.get("model") is True and run not in unsent.models:
+        unsent.models.append(run)
+    end = item.get("end")
+    if (isinstance(end, list) and len(end) == 2 and end[0] in RUN_STATUSES
+            and (end[1] is None or isinstance(end[1], int) and not isinstance(end[1], bool))):
+        unsent.ends[run] = (end[0], end[1])
+
+
+def send(client: Any, unsent: Unsent, run_dir: Path, finish: Iterable[str]) -> int:
+    """Send `unsent` through `client`, taking off what the store took (a failure raises and
+    leaves the rest); then end each run of `finish` as it ended (or FAILED at its last
+    metric's time). Returns the number of metric values sent."""
+    from mlflow.entities import Metric
+
+    sent = 0
+    while unsent.metrics:
+        run = unsent.metrics[0][0]
+        batch = list(_leading(unsent.metrics, run, MAX_METRICS_PER_CALL))
+        client.log_batch(run, metrics=[Metric(k, v, t, s) for _, (k, v, t, s) in batch])
+        for _ in batch:
+            unsent.metrics.popleft()
+        sent += len(batch)
+    while unsent.artifacts:
+        run, name = unsent.artifacts[0]
+        if (run_dir / name).is_file():
+            client.log_artifact(run, str(run_dir / name))
+        unsent.artifacts.pop(0)
+    for run in list(finish):
+        status, end_time = unsent.ends.get(run, ("FAILED", None))
+        client.set_terminated(run, status, end_time=end_time or _last_time(client, run))
+        unsent.ends.pop(run, None)
+    return sent
+
+
+def _leading(records: Deque[Tuple[str, MetricRecord]], run: str,
+             limit: int) -> Iterable[Tuple[str, MetricRecord]]:
+    """The first records, up to `limit`, as long as they are `run`'s."""
+    for item in islice(records, limit):
+        if item[0] != run:
+            return
+        yield item
+
+
+def _last_time(client: Any, run: str) -> Optional[int]:
+    """When a run whose process died was last heard of: its last metric, else its start."""
+    info = client.get_run(run)
+    times = [m.timestamp for m in info.data._metric_objs] or [info.info.start_time]
+    return max(t for t in times if t is not None) if any(times) else None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`python -m train.unsent RUN_DIR`: send what the store did not take, end the runs."""
+    parser = argparse.ArgumentParser(
+        prog="python -m train.unsent", description="Send to MLflow what a run kept in "
+        f"RUN_DIR/{FILE} while the store was down, and end its runs as they ended.")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--tracking-uri", help="the store (default: MLFLOW_TRACKING_URI, "
+                        "else the one the file names)")
+    args = parser.parse_args(argv)
+    path = args.run_dir / FILE
+    if not args.run_dir.is_dir():
+        print(f"error: {ascii(str(args.run_dir))[1:-1]} is no directory: give a run's "
+              f"directory (outputs/RUN_NAME)", file=sys.stderr)
+        return 2
+    if not path.is_file():
+        print(f"nothing unsent in {args.run_dir} (no {FILE})")
+        return 0
+    unsent = read(path)
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or unsent.uri
+    if not uri:
+        print(f"error: {path} names no store: pass --tracking-uri URI", file=sys.stderr)
+        return 2
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    runs = sorted({run for run, _ in unsent.metrics} | set(unsent.ends))
+    models, count = list(unsent.models), len(unsent.metrics)
+    try:
+        sent = send(client, unsent, args.run_dir, runs)
+    except Exception as err:  # noqa: BLE001  any failure of the store means the same
+        write(path, unsent)
+        print(f"error: the MLflow store {strip_credentials(uri)} failed ({one_line(err)}): "
+              f"{len(unsent.metrics)} of {count} metric values still unsent in {path}; run "
+              f"this again once it answers", file=sys.stderr)
+        return 1
+    unsent.models = []
+    write(path, unsent)
+    print(f"sent {sent} metric values to {strip_credentials(uri)} and ended "
+          f"{len(runs)} run(s)")
+    if models:
+        print(f"the final model of run(s) {', '.join(models)} was not logged: launch the run "
+              f"again (it trains nothing and logs the model)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
