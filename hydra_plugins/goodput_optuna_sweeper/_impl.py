@@ -303,7 +303,8 @@ class OptunaSweeperImpl:
                 for _ in range(min(self.n_jobs, n_trials - ended)):
                     trials.append(study.ask(space))
                 batch = [self.overrides_of(trial, space, fixed, extend) for trial in trials]
-                self.validate_batch_is_legal(batch)
+                if not returns:  # later batches only differ in the values of the same keys
+                    self.validate_batch_is_legal(batch)
                 results = self.launcher.launch(batch, initial_job_idx=self.job_idx)
             except BaseException as stop:  # an error, Ctrl-C, an interrupted job
                 self.fail(study, trials, retry=not isinstance(stop, Exception))
@@ -324,8 +325,12 @@ class OptunaSweeperImpl:
         self.report(study, sweep_dir)
         finished = [r for batch in returns for r in batch]
         if all(r.status == JobStatus.FAILED for r in finished):
-            log.error("every job of this sweep failed")
-            end_with(finished[0])
+            error = finished[0]._return_value
+            if isinstance(error, JobExit):
+                log.error("all %d jobs of this sweep failed", len(finished))
+                raise SystemExit(error.code)
+            raise SweepError(f"all {len(finished)} jobs of this sweep failed, the first: "
+                             f"{error}") from error
         return returns
 
     def search_space(self, arguments: List[str]) -> Tuple[Dict[str, BaseDistribution],
@@ -401,28 +406,18 @@ class OptunaSweeperImpl:
         for trial in trials:
             tell(study, trial, state=TrialState.FAIL)
             if retry and not grid and trial.params:
-                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number},
-                                    skip_if_exists=True)
+                study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
         if trials:
             log.warning("trial(s) %s failed: the sweep stopped%s",
                         ", ".join(str(t.number) for t in trials),
                         ": the same command resumes them" if retry and not grid else "")
 
     def single_run(self, overrides: List[str]) -> List[str]:
-        """The overrides that run a trial's job again on its own (no `-m`): the sweep's
-        command line without what swept it (a search space, a config group option that sets
-        up the sweep such as `+hparams_search=optuna`), then the job's overrides."""
-        assert self.config is not None
+        """The overrides that run a trial's job again on its own (no `-m`): the job's, but for
+        a config group option that sets up the sweep (such as `+hparams_search=optuna`)."""
         parser = OverridesParser.create()
-        job_keys = {o.get_key_element().lstrip("+~") for o in parser.parse_overrides(overrides)}
-        kept = []
-        for line in self.config.hydra.overrides.task:
-            override = parser.parse_overrides([line])[0]
-            if (override.is_sweep_override() or self.sets_up_sweep(override)
-                    or override.get_key_element().lstrip("+~") in job_keys):
-                continue
-            kept.append(line)
-        return kept + list(overrides)
+        return [line for line in overrides
+                if not self.sets_up_sweep(parser.parse_overrides([line])[0])]
 
     def sets_up_sweep(self, override: Override) -> bool:
         """Whether a config group option configures Hydra's sweep (its mode, its sweeper)."""
@@ -471,12 +466,22 @@ def as_override(key: str, value: Any) -> str:
     """`key=value` in the override grammar: a string as it is where Hydra reads it back as
     that string, else quoted (`'1'`, `'true'`, `'a,b'` stay strings)."""
     text = Transformer.str(value)
-    if isinstance(value, str):
-        back = OverridesParser.create().parse_overrides([f"{key}={text}"])[0]
-        if back.is_sweep_override() or back.value() != value or not isinstance(back.value(),
-                                                                                 str):
-            text = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, str) and not reads_back(key, text, value):
+        # In a quoted string only backslashes before a quote, or at its end, are escapes.
+        text = "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2)
+                                                                        else ""), value) + "'"
+        if not reads_back(key, text, value):
+            raise SweepError(f"{key}: the value {value!r} cannot be written as an override")
     return f"{key}={text}"
+
+
+def reads_back(key: str, text: str, value: str) -> bool:
+    try:
+        back = OverridesParser.create().parse_overrides([f"{key}={text}"])[0]
+    except Exception:  # Hydra's parse error: not as it is, then
+        return False
+    return not back.is_sweep_override() and isinstance(back.value(), str) and \
+        back.value() == value
 
 
 def tell(study: optuna.Study, trial: Trial, **told: Any) -> None:

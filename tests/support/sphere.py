@@ -10,13 +10,16 @@ from omegaconf import DictConfig
 
 def sphere(cfg: DictConfig) -> float:
     """x² + y²; `error=true` fails every job, `fail_above=v` the jobs whose x is above v,
-    `exit_code=n` ends every job with SystemExit(n) (as the trainer ends a failed run)."""
+    `exit_code=n` ends every job with SystemExit(n) (as the trainer ends a failed run),
+    `interrupt=true` stops it as Ctrl-C does."""
     if cfg.get("error", False):
         raise RuntimeError("cfg.error is True")
     if cfg.get("fail_above") is not None and cfg.x > cfg.fail_above:
         raise RuntimeError(f"x={cfg.x} is above {cfg.fail_above}")
     if cfg.get("exit_code") is not None:
         raise SystemExit(cfg.exit_code)
+    if cfg.get("interrupt", False):
+        raise KeyboardInterrupt
     return cfg.x ** 2 + cfg.y ** 2
 
 

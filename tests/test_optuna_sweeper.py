@@ -1,0 +1,281 @@
+"""The Optuna sweeper (`hydra/sweeper=goodput_optuna`) against hydra-optuna-sweeper 1.3's own
+test cases (its tests/test_optuna_sweeper_plugin.py: the grammar, the sphere with a seeded
+TPE, the grid sampler, several objectives, a custom search space, the failure rate), then
+what ours adds: no trial left RUNNING, a job's exit, an interruption, a resumed seeded study,
+values that reach the job as written, and `best_overrides`. The sweeps run in this process
+on a tiny app (tests/support/sphere.py), as Hydra's own sweeper tests run theirs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, List
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+optuna = pytest.importorskip("optuna", reason="pip install '.[sweep]'")
+
+from optuna.distributions import (CategoricalDistribution, FloatDistribution,  # noqa: E402
+                                  IntDistribution)
+from optuna.trial import TrialState  # noqa: E402
+
+from hydra_plugins.goodput_optuna_sweeper._impl import SweepError, distribution  # noqa: E402
+from support import sphere  # noqa: E402
+
+APP = Path(sphere.__file__)
+pytestmark = pytest.mark.usefixtures("hydra_restore_singletons")
+
+
+def run_sweep(runner: Any, tmp_path: Path, *overrides: str, config: str = "sphere",
+              task: Any = sphere.sphere):
+    """The sweep as a context: inside it, `.returns` and the sweep directory (`.temp_dir`)."""
+    return runner(calling_file=str(APP), calling_module=None, task_function=task,
+                  config_path="sphere_conf", config_name=config,
+                  overrides=["hydra.job.chdir=False", "hydra.output_subdir=null", *overrides],
+                  temp_dir=tmp_path / "sweep")
+
+
+def results(sweep: Any) -> DictConfig:
+    return OmegaConf.load(Path(sweep.temp_dir) / "optimization_results.yaml")
+
+
+def stored(tmp_path: Path, name: str = "s") -> List[str]:
+    """Overrides that keep the study in an sqlite file, for a look at it afterwards."""
+    return [f"hydra.sweeper.storage=sqlite:///{tmp_path}/optuna.db",
+            f"hydra.sweeper.study_name={name}"]
+
+
+def study_of(tmp_path: Path, name: str = "s") -> Any:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path}/optuna.db")
+
+
+def states(study: Any) -> List[TrialState]:
+    return [t.state for t in study.trials]
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("key=choice(1,2)", CategoricalDistribution([1, 2])),
+    ("key=choice(true, false)", CategoricalDistribution([True, False])),
+    ("key=choice('hello', 'world')", CategoricalDistribution(["hello", "world"])),
+    ("key=shuffle(range(1,3))", CategoricalDistribution((1, 2))),
+    ("key=range(1,3)", IntDistribution(1, 3)),
+    ("key=interval(1, 5)", FloatDistribution(1, 5)),
+    ("key=int(interval(1, 5))", IntDistribution(1, 5)),
+    ("key=tag(log, interval(1, 5))", FloatDistribution(1, 5, log=True)),
+    ("key=tag(log, int(interval(1, 5)))", IntDistribution(1, 5, log=True)),
+    ("key=range(0.5, 5.5, step=1)", FloatDistribution(0.5, 5.5, step=1)),
+    ("key=tag(int, interval(1, 5))", IntDistribution(1, 5)),  # ours, as before
+])
+def test_the_grammar_reads_as_hydra_optuna_sweeper_reads_it(line, expected) -> None:
+    actual = distribution(OverridesParser.create().parse_overrides([line])[0])
+    if isinstance(expected, CategoricalDistribution):  # shuffle() reorders the choices
+        assert isinstance(actual, CategoricalDistribution)
+        assert set(actual.choices) == set(expected.choices)
+    else:
+        assert actual == expected
+
+
+@pytest.mark.parametrize("line, says", [
+    ("lr=interval(1e-2, 1e-4)", "low end 0.01 is above its high end 0.0001"),
+    ("lr=tag(log, interval(0, 1e-2))", "a log scale needs a low end above 0"),
+    ("n=tag(log, int(interval(0, 4)))", "a log scale needs a low end above 0"),
+    ("n=range(5, 1)", "low end 5 is above its high end 1"),
+    ("n=range(1, 9, step=0)", "hydra.sweeper.params: n=range(1, 9, step=0)"),
+])
+def test_a_search_space_optuna_cannot_sample_is_one_line(line, says) -> None:
+    with pytest.raises(SweepError) as refused:
+        distribution(OverridesParser.create().parse_overrides([line])[0])
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("with_commandline", [True, False])
+def test_a_seeded_tpe_reaches_the_sphere_threshold(hydra_sweep_runner, tmp_path,
+                                                   with_commandline) -> None:
+    extra = ["x=choice(0, 1, 2)", "y=0"] if with_commandline else []
+    with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "hydra.sweeper.n_trials=20",
+                   "hydra.sweeper.n_jobs=1", "hydra/sweeper/sampler=tpe",
+                   "hydra.sweeper.sampler.seed=123", "~z", *extra) as sweep:
+        returned = results(sweep)
+    study = study_of(tmp_path)
+    best = study.best_trial
+    assert returned.name == "optuna" and returned.best_value == best.value
+    assert returned.best_params.x == best.params["x"]
+    if with_commandline:
+        assert "y" not in returned.best_params and "y" not in best.params
+        assert best.user_attrs["y"] == "0"  # a fixed parameter, as upstream records it
+    else:
+        assert returned.best_params.y == best.params["y"]
+    # hydra-optuna-sweeper's threshold: the 95th percentile of the best value over 1000 seeds
+    assert returned.best_value <= 2.27
+    assert states(study) == [TrialState.COMPLETE] * 20
+    assert [len(batch) for batch in sweep.returns] == [1] * 20  # one list per batch
+
+
+@pytest.mark.parametrize("num_trials", [10, 1])
+def test_the_grid_sampler_walks_the_grid_once_in_hydras_order(hydra_sweep_runner, tmp_path,
+                                                              num_trials) -> None:
+    with run_sweep(hydra_sweep_runner, tmp_path, f"hydra.sweeper.n_trials={num_trials}",
+                   config="grid") as sweep:
+        returned = results(sweep)
+        jobs = [r.overrides for batch in sweep.returns for r in batch]
+    # x: choice(-1, 1), y: range(-1.0, 1.0, step=1) (its end left out), z: choice(foo, bar)
+    grid = [[f"x={x}", f"y={y}", f"z={z}"]
+            for x in (-1, 1) for y in (-1.0, 0.0) for z in ("foo", "bar")]
+    assert jobs == grid[:min(num_trials, len(grid))]
+    if num_trials >= len(grid):
+        assert returned.best_value == 1 and abs(returned.best_params.x) == 1
+        assert returned.best_params.y == 0
+    assert returned.best_params.z in ("foo", "bar")
+
+
+def dominates(a: List[float], b: List[float]) -> bool:
+    return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("with_commandline", [True, False])
+def test_several_objectives_write_their_pareto_front(hydra_sweep_runner, tmp_path,
+                                                     with_commandline) -> None:
+    extra = ["x=range(0, 5)", "y=range(0, 3)"] if with_commandline else []
+    with run_sweep(hydra_sweep_runner, tmp_path, "hydra/sweeper/sampler=random",
+                   "hydra.sweeper.sampler.seed=123", "hydra.sweeper.n_trials=10", *extra,
+                   config="multi_objective",
+                   task=sphere.binh_and_korn) as sweep:
+        returned = results(sweep)
+    assert returned.name == "optuna" and "best_value" not in returned
+    front = returned.solutions
+    assert front and all(len(s["values"]) == 2 for s in front)
+    steps = {0} if with_commandline else {0, 0.5}
+    for a in front:
+        assert a.params.x % 1 in steps and a.params.y % 1 in steps
+        assert a["values"] == list(sphere.binh_and_korn(OmegaConf.create(dict(a.params))))
+        assert not any(dominates(list(b["values"]), list(a["values"])) for b in front)
+
+
+def test_a_custom_search_space_suggests_more_parameters(hydra_sweep_runner, tmp_path) -> None:
+    with run_sweep(hydra_sweep_runner, tmp_path, "hydra/sweeper/sampler=random",
+                   "hydra.sweeper.sampler.seed=123", "max_z_difference_from_x=0.3",
+                   "hydra.sweeper.n_trials=10",
+                   config="custom_search_space", task=sphere.multi_dimensional_sphere) as sweep:
+        returned = results(sweep)
+        jobs = [r.cfg for batch in sweep.returns for r in batch]
+    best = returned.best_params
+    assert abs(best.x - best.z) <= 0.3 and 0 <= best["+w"] <= 1
+    assert all(abs(cfg.x - cfg.z) <= 0.3 and 0 <= cfg.w <= 1 for cfg in jobs)
+
+
+def test_above_the_failure_rate_the_sweep_ends_with_the_jobs_error(hydra_sweep_runner,
+                                                                  tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="cfg.error is True"):
+        with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "error=true",
+                       "hydra.sweeper.n_jobs=2", "hydra.sweeper.max_failure_rate=0.5",
+                       "hydra/sweeper/sampler=random"):
+            pass
+    assert states(study_of(tmp_path)) == [TrialState.FAIL] * 2  # one batch, then the end
+
+
+def test_within_the_failure_rate_failed_trials_fail_and_the_sweep_goes_on(hydra_sweep_runner,
+                                                                        tmp_path) -> None:
+    with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "+fail_above=0",
+                   "hydra.sweeper.n_trials=8", "hydra.sweeper.n_jobs=2",
+                   "hydra.sweeper.max_failure_rate=1.0",
+                   "hydra/sweeper/sampler=random") as sweep:
+        returned = results(sweep)
+    study = study_of(tmp_path)
+    assert len(study.trials) == 8 and TrialState.RUNNING not in states(study)
+    for trial in study.trials:
+        assert trial.state == (TrialState.FAIL if trial.params["x"] > 0 else
+                               TrialState.COMPLETE)
+    assert returned.best_params.x <= 0
+
+
+def test_when_every_job_fails_the_sweep_says_so_in_one_line(hydra_sweep_runner,
+                                                            tmp_path) -> None:
+    with pytest.raises(SweepError) as ended:
+        with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "error=true",
+                       "hydra.sweeper.n_trials=4", "hydra.sweeper.max_failure_rate=1.0"):
+            pass
+    assert "all 4 jobs of this sweep failed" in str(ended.value)
+    assert states(study_of(tmp_path)) == [TrialState.FAIL] * 4
+
+
+@pytest.mark.parametrize("rate, trials", [(0.0, 1), (1.0, 3)])
+def test_a_jobs_exit_fails_its_trial_and_ends_the_sweep_with_its_code(hydra_sweep_runner,
+                                                                      tmp_path, rate,
+                                                                      trials) -> None:
+    """A job's SystemExit does not pass through the sweeper: the trial fails, the sweep goes
+    on as far as max_failure_rate lets it, then ends with the job's own exit code."""
+    with pytest.raises(SystemExit) as ended:
+        with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "+exit_code=1",
+                       "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1",
+                       f"hydra.sweeper.max_failure_rate={rate}"):
+            pass
+    assert ended.value.code == 1
+    assert states(study_of(tmp_path)) == [TrialState.FAIL] * trials
+
+
+@pytest.mark.parametrize("stop", ["+exit_code=75", "+exit_code=130", "+interrupt=true"])
+def test_an_interrupted_trial_fails_and_the_same_sweep_runs_it_again(hydra_sweep_runner,
+                                                                     tmp_path, stop) -> None:
+    """Ctrl-C (or a preempted job, exit 75) stops the sweep at once; its trial is marked
+    failed, not left RUNNING, and the same sweep again asks for its parameters first, so
+    that job resumes rather than a finished one's parameters coming back."""
+    common = [*stored(tmp_path), "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=1"]
+    with run_sweep(hydra_sweep_runner, tmp_path, *common):
+        pass
+    with pytest.raises((SystemExit, KeyboardInterrupt)):
+        with run_sweep(hydra_sweep_runner, tmp_path, *common, stop):
+            pass
+    study = study_of(tmp_path)  # trial 4: the interrupted one's parameters, queued
+    assert states(study) == [TrialState.COMPLETE] * 3 + [TrialState.FAIL, TrialState.WAITING]
+    interrupted = study.trials[3].params
+    with run_sweep(hydra_sweep_runner, tmp_path, *common):
+        pass
+    study = study_of(tmp_path)
+    assert states(study) == [TrialState.COMPLETE] * 3 + [TrialState.FAIL] + \
+        [TrialState.COMPLETE] * 3
+    assert study.trials[4].params == interrupted
+    assert study.trials[4].user_attrs["retry_of"] == 3
+
+
+def test_a_resumed_seeded_study_proposes_new_parameters(hydra_sweep_runner, tmp_path) -> None:
+    """The seed alone would make the sampler propose the first sweep's parameters again,
+    whose jobs then have nothing left to train."""
+    common = [*stored(tmp_path), "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=1",
+              "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=123"]
+    for _ in range(2):
+        with run_sweep(hydra_sweep_runner, tmp_path, *common):
+            pass
+    proposed = [tuple(t.params.items()) for t in study_of(tmp_path).trials]
+    assert len(proposed) == 8 and proposed[4:] != proposed[:4]
+    assert not set(proposed[4:]) & set(proposed[:4])
+
+
+def test_values_reach_the_job_as_written(hydra_sweep_runner, tmp_path) -> None:
+    """Strings as they are (`s=plain`, not `s='plain'`), and quoted where Hydra would read
+    the bare text as something else."""
+    values = ["plain", "1", "true", "null", "a b", "a,b", "it's"]
+    with run_sweep(hydra_sweep_runner, tmp_path, "hydra/sweeper/sampler=grid",
+                   "hydra.sweeper.sampler.seed=null", "hydra.sweeper.params=null",
+                   "+s=choice(plain, '1', 'true', 'null', 'a b', 'a,b', 'it\\'s')",
+                   task=lambda cfg: 0.0) as sweep:
+        jobs = [r for batch in sweep.returns for r in batch]
+    assert [r.cfg.s for r in jobs] == values
+    assert jobs[0].overrides[0] == "+s=plain"
+
+
+def test_best_overrides_run_the_best_job_on_its_own(hydra_sweep_runner, tmp_path) -> None:
+    """Without the group option that set up the sweep, the search space or Hydra's keys."""
+    with run_sweep(hydra_sweep_runner, tmp_path, "+search=optuna", "z=3",
+                   "y=choice(-1, 2)", "hydra.sweeper.n_trials=4") as sweep:
+        returned = results(sweep)
+    best = list(returned.best_overrides)
+    assert "+search=optuna" not in best and "z=3" in best
+    assert not [o for o in best if o.startswith("hydra") or "choice" in o]
+    with initialize_config_dir(config_dir=str(APP.parent / "sphere_conf"), version_base=None):
+        alone = compose(config_name="sphere", overrides=best)
+    assert alone.x == returned.best_params.x and alone.y == returned.best_params.y
+    assert sphere.sphere(alone) == returned.best_value
+    assert not math.isnan(returned.best_value)
