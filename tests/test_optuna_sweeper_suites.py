@@ -5,6 +5,7 @@ the grid sampler, whose order without a seed is the basic sweeper's. The batches
 joblib too: each job in a process of its own."""
 
 import pytest
+from hydra import version
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.test_utils.launcher_common_tests import (BatchedSweeperTestSuite,
@@ -13,6 +14,13 @@ from hydra.test_utils.launcher_common_tests import (BatchedSweeperTestSuite,
 pytest.importorskip("optuna", reason="pip install '.[sweep]'")
 
 SWEEPER = ["hydra/sweeper=goodput_optuna", "hydra/sweeper/sampler=grid"]
+
+
+@pytest.fixture(autouse=True)
+def hydra_compat_defaults(hydra_restore_singletons) -> None:
+    """The suites expect the defaults of an app without a version_base (a job changes into
+    its directory); a test before them in this process may have set another one."""
+    version.setbase("1.1")
 
 
 def test_discovery() -> None:
