@@ -191,14 +191,13 @@ def test_within_the_failure_rate_failed_trials_fail_and_the_sweep_goes_on(hydra_
     assert returned.best_params.x <= 0
 
 
-def test_when_every_job_fails_the_sweep_says_so_in_one_line(hydra_sweep_runner,
-                                                            tmp_path) -> None:
-    with pytest.raises(SweepError) as ended:
+def test_when_every_job_fails_the_sweep_ends_as_the_first_one(hydra_sweep_runner,
+                                                             tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="cfg.error is True"):
         with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "error=true",
                        "hydra.sweeper.n_trials=4", "hydra.sweeper.max_failure_rate=1.0"):
             pass
-    assert "all 4 jobs of this sweep failed" in str(ended.value)
-    assert states(study_of(tmp_path)) == [TrialState.FAIL] * 4
+    assert states(study_of(tmp_path)) == [TrialState.FAIL] * 4  # all of them launched
 
 
 @pytest.mark.parametrize("rate, trials", [(0.0, 1), (1.0, 3)])

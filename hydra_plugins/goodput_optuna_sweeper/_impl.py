@@ -45,7 +45,7 @@ EXIT_TEMPFAIL = 75
 
 
 class SweepError(CompactHydraException):
-    """Bad sweeper input: Hydra prints the message alone, one line."""
+    """Bad sweeper input, said in one line."""
 
 
 class JobExit(Exception):
@@ -325,12 +325,8 @@ class OptunaSweeperImpl:
         self.report(study, sweep_dir)
         finished = [r for batch in returns for r in batch]
         if all(r.status == JobStatus.FAILED for r in finished):
-            error = finished[0]._return_value
-            if isinstance(error, JobExit):
-                log.error("all %d jobs of this sweep failed", len(finished))
-                raise SystemExit(error.code)
-            raise SweepError(f"all {len(finished)} jobs of this sweep failed, the first: "
-                             f"{error}") from error
+            log.error("all %d jobs of this sweep failed", len(finished))
+            end_with(finished[0])
         return returns
 
     def search_space(self, arguments: List[str]) -> Tuple[Dict[str, BaseDistribution],

@@ -4,6 +4,8 @@ The plugin class Hydra's scan finds; the work is in `_impl` (which the scan skip
 Optuna loads only for a sweep that uses it.
 """
 
+import os
+import sys
 from typing import Any, List, Optional, Sequence
 
 from hydra.core.utils import JobReturn
@@ -32,5 +34,15 @@ class OptunaSweeper(Sweeper):
                            config=config)
 
     def sweep(self, arguments: List[str]) -> List[Sequence[JobReturn]]:
-        """One list of job returns per batch, as Hydra's own sweepers return them."""
-        return self.sweeper.sweep(arguments)
+        """One list of job returns per batch, as Hydra's own sweepers return them. Bad input
+        (the search space, the storage, a key's value) ends the sweep with one line and exit
+        code 2; HYDRA_FULL_ERROR=1 shows its traceback instead."""
+        from hydra_plugins.goodput_optuna_sweeper._impl import SweepError
+
+        try:
+            return self.sweeper.sweep(arguments)
+        except SweepError as err:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
