@@ -198,7 +198,8 @@ def open_storage(storage: Optional[Any]) -> Any:
 
 @contextmanager
 def storage_errors(storage: Any) -> Iterator[None]:
-    """Optuna's and SQLAlchemy's errors about the storage, as one line each."""
+    """Opening the study: what goes wrong (a database, a driver, a journal, a study of other
+    directions) said in one line."""
     where = f"hydra.sweeper.storage={shown(str(storage))}"
     try:
         yield
@@ -207,13 +208,15 @@ def storage_errors(storage: Any) -> Iterator[None]:
         raise SweepError(f"{where}: the driver for this database is not installed (no module "
                          f"{missing!r}): install it, or use sqlite:///PATH or a journal file "
                          f"path") from err
-    except Exception as err:
-        module = type(err).__module__
-        if not (module.startswith("sqlalchemy") or module.startswith("optuna")
-                or isinstance(err, (sqlite3.Error, OSError))):
-            raise
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SweepError(f"{where}: {shown(text)}") from err
+    except SweepError:
+        raise
+    except Exception as err:  # a database that is not one, a journal that is not JSON, ...
+        raise SweepError(f"{where}: {shown(one_line(err))}") from err
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def directions_of(direction: Any) -> List[str]:
@@ -287,7 +290,17 @@ class OptunaSweeperImpl:
                 study_name=self.study_name, storage=open_storage(self.storage),
                 sampler=optuna.samplers.RandomSampler(), directions=directions,
                 load_if_exists=True)
+        kept = [d.name.lower() for d in study.directions]
+        if kept != directions:  # Optuna would go on in the stored directions, silently
+            raise SweepError(f"hydra.sweeper.direction={directions}: study {study.study_name} "
+                             f"in {shown(str(self.storage))} optimizes {kept}: give this sweep "
+                             f"another study_name, or its storage")
+        try:
             study.sampler, n_trials = self.sampler_for(study, space)
+        except SweepError:
+            raise
+        except Exception as err:  # the sampler's own checks of its options
+            raise SweepError(f"hydra.sweeper.sampler: {one_line(err)}") from err
         log.info("Optuna study %s (%s, %d trials so far), %s sampler: %d trials over %s",
                  study.study_name, shown(str(self.storage or "in memory")), len(study.trials),
                  type(study.sampler).__name__, n_trials,
@@ -306,14 +319,15 @@ class OptunaSweeperImpl:
                 if not returns:  # later batches only differ in the values of the same keys
                     self.validate_batch_is_legal(batch)
                 results = self.launcher.launch(batch, initial_job_idx=self.job_idx)
+                for trial, result in zip(list(trials), results):
+                    self.tell(study, trial, result, len(directions))
+                    trials.remove(trial)  # told: no longer the sweep's to fail
             except BaseException as stop:  # an error, Ctrl-C, an interrupted job
                 self.fail(study, trials, retry=not isinstance(stop, Exception))
                 raise
             self.job_idx += len(results)
             returns.append(results)
-            ended += len(trials)
-            for trial, result in zip(trials, results):
-                self.tell(study, trial, result, len(directions))
+            ended += len(results)
             # A job that returned no number fails its trial, yet the job itself did not fail.
             failed = [result for result in results if result.status == JobStatus.FAILED]
             if failed and len(failed) / len(results) > self.max_failure_rate:
@@ -396,8 +410,9 @@ class OptunaSweeperImpl:
         tell(study, trial, values=values)
 
     def fail(self, study: optuna.Study, trials: List[Trial], retry: bool) -> None:
-        """Fail the trials a stopped sweep had asked for; an interrupted one (`retry`) is asked
-        for again first when the sweep runs again, so its job resumes rather than restarts."""
+        """Fail the trials a stopped sweep had asked for and not told yet; an interrupted one
+        (`retry`) is asked for again first when the sweep runs again, so its job resumes
+        rather than restarts."""
         grid = isinstance(study.sampler, optuna.samplers.GridSampler)
         for trial in trials:
             tell(study, trial, state=TrialState.FAIL)
@@ -489,8 +504,12 @@ def tell(study: optuna.Study, trial: Trial, **told: Any) -> None:
 
 
 def values_of(result: JobReturn, n_objectives: int) -> List[float]:
-    """The job's value(s) as floats, or the reason it has none (its own error, re-raised)."""
-    returned = result.return_value
+    """The job's value(s) as floats, or the reason it has none (its own error, raised)."""
+    if result.status == JobStatus.FAILED:
+        # Not through `return_value`, which prints the job's overrides verbatim (a password
+        # in a URL included)
+        raise result._return_value
+    returned = result._return_value
     many = n_objectives > 1
     if many and not isinstance(returned, (list, tuple, ListConfig)):
         raise ValueError(f"the job returned {returned!r}: a sweep of {n_objectives} "
@@ -507,10 +526,9 @@ def values_of(result: JobReturn, n_objectives: int) -> List[float]:
 
 
 def end_with(failed: JobReturn) -> None:
-    """End the sweep as its first failed job ended: with its exit code, or its exception."""
+    """End the sweep as a failed job ended: with its exit code, or its exception."""
     error = failed._return_value
     if isinstance(error, JobExit):
         raise SystemExit(error.code)
-    failed.return_value  # noqa: B018  re-raises the job's exception, with its traceback
-    raise SystemExit(1)  # it returned no number
+    raise error
 
