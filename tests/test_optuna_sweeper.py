@@ -284,3 +284,35 @@ def test_best_overrides_run_the_best_job_on_its_own(hydra_sweep_runner, tmp_path
     assert alone.x == returned.best_params.x and alone.y == returned.best_params.y
     assert sphere.sphere(alone) == returned.best_value
     assert not math.isnan(returned.best_value)
+
+
+@pytest.mark.parametrize("case", ["journal", "directions"])
+def test_a_storage_the_sweep_cannot_use_is_one_line(hydra_sweep_runner, tmp_path, capsys,
+                                                    case) -> None:
+    """(The trainer's own cases, a corrupt, locked or foreign sqlite file and a missing
+    driver, are in test_optuna_sweeper_cli.py.)"""
+    journal = tmp_path / "optuna.log"
+    if case == "journal":
+        journal.write_text("{not a journal\n")
+    else:
+        optuna.create_study(study_name="s", direction="maximize", storage=optuna.storages.
+                            JournalStorage(optuna.storages.journal.JournalFileBackend(
+                                str(journal))))
+    with pytest.raises(SystemExit) as ended:
+        with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path)):
+            pass
+    err = capsys.readouterr().err
+    refusal = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert ended.value.code == 2 and len(refusal) == 1 and "Traceback" not in err
+    assert refusal[0].startswith("error: hydra.sweeper.storage=" if case == "journal" else
+                                 "error: hydra.sweeper.direction=['minimize']: study s in ")
+
+
+def test_a_failed_jobs_overrides_are_not_printed(hydra_sweep_runner, tmp_path, capsys) -> None:
+    """Hydra prints a failed job's overrides verbatim where its return value is read: a
+    password in a URL with them."""
+    with pytest.raises(RuntimeError):
+        with run_sweep(hydra_sweep_runner, tmp_path, "error=true",
+                       "+source=http://user:s3cret@127.0.0.1/data"):
+            pass
+    assert "s3cret" not in capsys.readouterr().err
