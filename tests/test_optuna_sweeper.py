@@ -316,3 +316,27 @@ def test_a_failed_jobs_overrides_are_not_printed(hydra_sweep_runner, tmp_path, c
                        "+source=http://user:s3cret@127.0.0.1/data"):
             pass
     assert "s3cret" not in capsys.readouterr().err
+
+
+def test_the_defaults_are_hydra_optuna_sweepers() -> None:
+    """hydra-optuna-sweeper 1.3's defaults (its config.py), Optuna's own for the sampler."""
+    with initialize_config_dir(config_dir=str(APP.parent / "sphere_conf"), version_base=None):
+        hydra = compose(overrides=["hydra/sweeper=goodput_optuna"],
+                        return_hydra_config=True).hydra
+    sweeper = OmegaConf.to_container(hydra.sweeper)
+    assert {k: sweeper[k] for k in ("direction", "storage", "study_name", "n_trials", "n_jobs",
+                                    "max_failure_rate", "params", "custom_search_space")} == {
+        "direction": "minimize", "storage": None, "study_name": None, "n_trials": 20,
+        "n_jobs": 2, "max_failure_rate": 0.0, "params": None, "custom_search_space": None}
+    assert sweeper["sampler"]["_target_"] == "optuna.samplers.TPESampler"
+    assert hydra.runtime.choices["hydra/sweeper/sampler"] == "tpe"
+
+
+def test_the_sweepers_seed_stands_in_for_the_samplers(hydra_sweep_runner, tmp_path) -> None:
+    proposed = []
+    for seeds in (["hydra.sweeper.sampler.seed=5"],
+                  ["hydra.sweeper.sampler.seed=null", "hydra.sweeper.seed=5"]):
+        with run_sweep(hydra_sweep_runner, tmp_path, "hydra/sweeper/sampler=random",
+                       "hydra.sweeper.n_trials=3", *seeds) as sweep:
+            proposed.append([r.overrides for batch in sweep.returns for r in batch])
+    assert proposed[0] == proposed[1]
