@@ -278,7 +278,7 @@ class OptunaSweeperImpl:
                 extend = get_method(self.custom_search_space)
             except Exception as err:  # Hydra's lookup: an import error, a missing name
                 raise SweepError(f"hydra.sweeper.custom_search_space="
-                                 f"{self.custom_search_space}: {err}") from err
+                                 f"{self.custom_search_space}: {one_line(err)}") from err
         return directions_of(self.direction), extend
 
     def sweep(self, arguments: List[str]) -> List[Sequence[JobReturn]]:
@@ -403,7 +403,7 @@ class OptunaSweeperImpl:
         """Tell Optuna the job's value(s), or fail its trial."""
         try:
             values = values_of(result, n_objectives)
-        except Exception as err:  # the job's own error, re-raised by return_value, or no value
+        except Exception as err:  # the job's own error, or no value
             log.warning("trial %d failed: %s", trial.number, err)
             tell(study, trial, state=TrialState.FAIL)
             return
