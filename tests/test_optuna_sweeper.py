@@ -7,6 +7,7 @@ on a tiny app (tests/support/sphere.py), as Hydra's own sweeper tests run theirs
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, List
@@ -340,3 +341,17 @@ def test_the_sweepers_seed_stands_in_for_the_samplers(hydra_sweep_runner, tmp_pa
                        "hydra.sweeper.n_trials=3", *seeds) as sweep:
             proposed.append([r.overrides for batch in sweep.returns for r in batch])
     assert proposed[0] == proposed[1]
+
+
+@pytest.mark.parametrize("sampler, built", [
+    ("tpe", "TPESampler"), ("random", "RandomSampler"), ("cmaes", "CmaEsSampler"),
+    ("nsgaii", "NSGAIISampler"), ("motpe", "TPESampler"), ("grid", "GridSampler")])
+def test_each_sampler_of_the_group_builds_with_its_options(hydra_sweep_runner, tmp_path,
+                                                           caplog, sampler, built) -> None:
+    caplog.set_level(logging.INFO, logger="hydra_plugins.goodput_optuna_sweeper._impl")
+    with run_sweep(hydra_sweep_runner, tmp_path, f"hydra/sweeper/sampler={sampler}",
+                   "hydra.sweeper.n_trials=2", "x=range(-2, 3)", "y=range(-1, 2)") as sweep:
+        returned = results(sweep)
+    assert returned.best_value == min(r.return_value for b in sweep.returns for r in b)
+    assert any(f"{built} sampler: 2 trials" in r.getMessage() for r in caplog.records
+               if r.name.startswith("hydra_plugins.goodput_optuna_sweeper"))

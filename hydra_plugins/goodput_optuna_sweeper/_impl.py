@@ -30,7 +30,7 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import CompactHydraException
 from hydra.types import HydraContext, TaskFunction
-from hydra.utils import get_class, get_method, instantiate
+from hydra.utils import get_method, get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from optuna.distributions import (BaseDistribution, CategoricalDistribution, FloatDistribution,
                                   IntDistribution)
@@ -365,7 +365,8 @@ class OptunaSweeperImpl:
         config.pop("_partial_", None)  # hydra-optuna-sweeper's grid config has one
         seed = config.get("seed")
         seed = self.seed if seed is None else seed
-        if issubclass(get_class(config["_target_"]), optuna.samplers.GridSampler):
+        target = get_object(config["_target_"])
+        if isinstance(target, type) and issubclass(target, optuna.samplers.GridSampler):
             grid = {key: grid_values(key, dist) for key, dist in space.items()}
             size = math.prod(len(values) for values in grid.values())
             if size < self.n_trials:
