@@ -10,6 +10,7 @@ from typing import List
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from support.launch import run_train
 from support.runs import tiny_overrides
@@ -49,6 +50,10 @@ def test_an_optuna_sweep_keeps_its_study_and_counts_each_job_from_its_start(tiny
         assert f"optim.lr={trial.params['optim.lr']}" in trial.user_attrs["overrides"]
     best = (tmp_path / "optimization_results.yaml").read_text()
     assert f"best_value: {study.best_value}" in best
+    # The best job again as a single run: its overrides without the sweep's config group
+    rerun = OmegaConf.load(tmp_path / "optimization_results.yaml").best_overrides
+    assert "+experiment=resnet" in rerun and "+hparams_search=optuna" not in rerun
+    assert f"optim.lr={study.best_params['optim.lr']}" in rerun
     parent, jobs = sweep_runs(mlflow_runs(tmp_path / "mlflow.db")[1])  # MLflow agrees
     assert parent.data.metrics["best/val/top1"] == study.best_value
     assert parent.data.tags["sweep.sweeper"].endswith("OptunaSweeper")

@@ -27,7 +27,9 @@ register_configs()
 
 # Hydra ends with exit code 1 both when composing fails (a misspelt key, a bad type, an
 # unknown config group option: the user must fix it) and when the task fails (possibly
-# retryable). Only the first happens before the task function is entered.
+# retryable). Only the first happens before the task function is entered in this process,
+# and Hydra raises its exit while handling the error it reports; a sweep whose jobs ran in
+# other processes (joblib, submitit) ends with a job's own exit code, raised as it is.
 _entered = False
 
 
@@ -81,6 +83,6 @@ if __name__ == "__main__":
     try:
         main()
     except SystemExit as exit_:
-        if exit_.code == 1 and not _entered:
+        if exit_.code == 1 and not _entered and isinstance(exit_.__context__, Exception):
             raise SystemExit(EXIT_CONFIG) from None
         raise
