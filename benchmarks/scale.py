@@ -171,3 +171,97 @@ def write_events(run_dir: Path, m: Month, seed: int = 0) -> Dict[str, float]:
          "saved_at": 1.7e9 + total, "ended": True}))
     return {"lines": lines, "bytes": (run_dir / "events.jsonl").stat().st_size,
             "attempts": attempts, "committed": committed}
+
+
+# ---- ranks: what rank 0 does with a checkpoint of many ranks --------------------------
+
+SHARDED_TENSORS = 8  # tensors each rank holds a chunk of (FSDP: every parameter)
+
+
+def write_checkpoint(directory: Path, step: int, ranks: int) -> None:
+    """What `ranks` ranks leave in a step directory: each rank's shard file (tiny chunks of
+    SHARDED_TENSORS tensors) and commit marker, and rank 0's `.metadata` listing every
+    chunk; checksums as the writer takes them."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    from checkpointing import commit
+    from checkpointing.checksums import WRITE_ALGORITHM, hasher
+    from checkpointing.commit import FileRecord
+    from checkpointing.storage import Store
+    from checkpointing.writer import RAW
+
+    directory.mkdir(parents=True)
+    store = Store(str(directory.parent))
+    chunk = 4  # float32 elements per rank and tensor
+    storage, tensors = {}, {}
+    records: Dict[int, Dict[str, FileRecord]] = {}
+    for r in range(ranks):
+        name = f"__{r}_0.distcp"
+        data = bytes(range(256))[: 4 * chunk] * SHARDED_TENSORS
+        (directory / name).write_bytes(data)
+        digest = hasher(WRITE_ALGORITHM)
+        digest.update(data)
+        records[r] = {name: FileRecord(len(data), digest.hexdigest(), WRITE_ALGORITHM)}
+        for t in range(SHARDED_TENSORS):
+            storage[MetadataIndex(f"model.w{t}", [r * chunk], 0)] = _StorageInfo(
+                name, t * 4 * chunk, 4 * chunk, [RAW])
+    for t in range(SHARDED_TENSORS):
+        tensors[f"model.w{t}"] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32), torch.Size([ranks * chunk]),
+            [ChunkStorageMetadata(torch.Size([r * chunk]), torch.Size([chunk]))
+             for r in range(ranks)])
+    metadata = pickle.dumps(Metadata(tensors, storage_data=storage))
+    (directory / ".metadata").write_bytes(metadata)
+    digest = hasher(WRITE_ALGORITHM)
+    digest.update(metadata)
+    records[0][".metadata"] = FileRecord(len(metadata), digest.hexdigest(), WRITE_ALGORITHM)
+    for r in range(ranks):
+        commit.write_marker(store, directory.name, step, r, ranks, records[r])
+
+
+def rank0_costs(work: Path, ranks: int, keep: int = 3) -> Dict[str, float]:
+    """Seconds rank 0 spends on a checkpoint of `ranks` ranks: the commit (wait for every
+    marker, rename, check what was written), retention over `keep` + 1 checkpoints (in
+    the process that wrote them, and in a fresh one: after a resume), verification
+    (`python -m checkpointing.verify`'s check) and resume's discovery of the newest."""
+    from checkpointing import commit
+    from checkpointing.manager import CheckpointManager, CheckpointOptions
+    from checkpointing.storage import Store
+    from checkpointing.verify import scrub
+
+    root = work / f"ckpt-{ranks}"
+    shutil.rmtree(root, ignore_errors=True)
+    steps = [100 * (i + 1) for i in range(keep + 1)]
+    for step in steps[:-1]:
+        write_checkpoint(root / commit.step_dir_name(step), step, ranks)
+    partial = commit.partial_dir_name(steps[-1], "bench")
+    write_checkpoint(root / partial, steps[-1], ranks)
+    store = Store(str(root))
+    manager = CheckpointManager(CheckpointOptions(dir=str(root), keep_last=keep),
+                                rank=0, world_size=ranks)
+    manager.attempt = "bench"
+    for step in steps[:-1]:  # this process saved them: verified when they were committed
+        manager._verified.add((store.url, step))
+    costs = {}
+
+    def commit_it() -> None:
+        manager._wait_for_markers(partial, steps[-1])
+        manager._rename_into_place(store, partial, steps[-1])
+        manager._trust_what_was_written(steps[-1])
+
+    costs["commit"] = timed(commit_it)
+    costs["retention"] = timed(lambda: manager.apply_retention(steps[-1]))
+    fresh = CheckpointManager(CheckpointOptions(dir=str(root), keep_last=keep), rank=0,
+                              world_size=ranks)
+    costs["retention, fresh process"] = timed(lambda: fresh.apply_retention(steps[-1]))
+    costs["verify"] = timed(lambda: scrub(store))
+    costs["resume discovery"] = timed(lambda: next(commit.find_complete(store)))
+    costs["metadata MB"] = (root / commit.step_dir_name(steps[-1]) / ".metadata").stat().st_size / 1e6
+    shutil.rmtree(root)
+    return costs
