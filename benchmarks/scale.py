@@ -45,6 +45,7 @@ class Curve:
     name: str
     size_unit: str
     cost_unit: str
+    fit_from: float = 0.0  # sizes below are printed and drawn, not fitted
     sizes: List[float] = field(default_factory=list)
     costs: List[float] = field(default_factory=list)
 
@@ -56,8 +57,9 @@ class Curve:
 
     def exponent(self) -> float:
         """b of cost ~ size^b, least squares over the log-log points."""
-        xs = [math.log(s) for s in self.sizes]
-        ys = [math.log(max(c, 1e-12)) for c in self.costs]
+        fitted = [(s, c) for s, c in zip(self.sizes, self.costs) if s >= self.fit_from]
+        xs = [math.log(s) for s, _ in fitted]
+        ys = [math.log(max(c, 1e-12)) for _, c in fitted]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
         return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
@@ -265,3 +267,386 @@ def rank0_costs(work: Path, ranks: int, keep: int = 3) -> Dict[str, float]:
     costs["metadata MB"] = (root / commit.step_dir_name(steps[-1]) / ".metadata").stat().st_size / 1e6
     shutil.rmtree(root)
     return costs
+
+
+# ---- files: listing, the index, the sampler, the node cache ------------------------------
+
+def make_tree(root: Path, files: int) -> Path:
+    """`root/train/<class>/<file>.JPEG`, empty files (the listing reads no bytes; an empty
+    file takes an inode, no block), 1,000 classes as ImageNet's (fewer for small trees)."""
+    classes = max(1, min(1000, files // 100))
+    for c in range(classes):
+        folder = root / "train" / f"n{c:08d}"
+        folder.mkdir(parents=True)
+        for i in range(c * files // classes, (c + 1) * files // classes):
+            os.close(os.open(folder / f"n{c:08d}_{i}.JPEG", os.O_CREAT | os.O_WRONLY, 0o644))
+    return root
+
+
+def private_kb() -> int:
+    """This process's private (copied, not shared) resident memory, KB."""
+    with open("/proc/self/smaps_rollup") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty"))
+
+
+class TouchAll:
+    """A dataset of one item that reads every name of an index in the worker and reports
+    how much of the worker's memory that made private (copy-on-write)."""
+
+    def __init__(self, names: Callable[[int], object], count: int) -> None:
+        self.names, self.count = names, count
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, _: int) -> int:
+        before = private_kb()
+        for i in range(self.count):
+            self.names(i)
+        return private_kb() - before
+
+
+def copied_per_file(names: Callable[[int], object], count: int) -> float:
+    """Bytes per file a forked DataLoader worker copies by reading every name."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(TouchAll(names, count), batch_size=None,
+                                         num_workers=1, multiprocessing_context="fork")
+    return float(next(iter(loader))) * 1024 / count
+
+
+def file_costs(work: Path, files: int) -> Dict[str, float]:
+    """Listing and indexing a split of `files` files, the stored index, its memory in the
+    main process and in a forked worker, the sampler's epoch start (= a resume's)."""
+    import tracemalloc
+
+    from data.index import DatasetIndex, list_split
+    from data.sampler import BatchPlan, GlobalBatchSampler
+    from data.volume import Volume
+
+    root = work / f"tree-{files}"
+    shutil.rmtree(root, ignore_errors=True)
+    make_tree(root, files)
+    costs: Dict[str, float] = {}
+    began = time.perf_counter()
+    index = list_split(Volume(str(root)), "train")
+    costs["list+index s"] = time.perf_counter() - began
+    stored = work / f"index-{files}.npz"
+    index.save(stored)
+    shutil.rmtree(root)
+    costs["stored B/file"] = stored.stat().st_size / files
+    costs["load s"] = timed(lambda: DatasetIndex.load(stored))
+    stored.unlink()
+    costs["memory B/file"] = sum(a.nbytes for a in (index.names, index.offsets, index.labels,
+                                                    index.sizes)) / files
+    costs["worker copies B/file"] = copied_per_file(index.name, files)
+    as_list = [index.name(i) for i in range(files)]  # what the index's arrays avoid
+    costs["list-of-str worker copies B/file"] = copied_per_file(as_list.__getitem__, files)
+    del as_list
+    plan = BatchPlan(files, 256, world_size=8)
+    tracemalloc.start()
+    began = time.perf_counter()
+    next(iter(GlobalBatchSampler(plan, seed=0, rank=3, start_epoch=2, start_step=7)))
+    costs["sampler epoch start s"] = time.perf_counter() - began
+    costs["sampler epoch start MB"] = tracemalloc.get_traced_memory()[1] / 1e6
+    tracemalloc.stop()
+    sampler = iter(GlobalBatchSampler(plan, seed=0, rank=3))
+    next(sampler)
+    costs["sampler per step s"] = timed(lambda: [next(sampler) for _ in range(100)]) / 100
+    return costs
+
+
+def prefill(root: Path, entries: int, payload: bytes) -> List[str]:
+    """Put `entries` finished objects into a node cache directory as fills leave them (the
+    bulk of a big cache, faster than `entries` fills); their keys."""
+    import zlib
+
+    from data.cache import FOOTER, MAGIC, cache_key
+
+    blob = payload + FOOTER.pack(MAGIC, len(payload), zlib.crc32(payload))
+    keys = [cache_key(f"file:///data/train/{i}.JPEG", len(payload)) for i in range(entries)]
+    made = set()
+    for key in keys:
+        folder = root / "objects" / key[:2]
+        if key[:2] not in made:
+            folder.mkdir(parents=True, exist_ok=True)
+            made.add(key[:2])
+        fd = os.open(folder / key, os.O_CREAT | os.O_WRONLY, 0o644)
+        os.write(fd, blob)
+        os.close(fd)
+    return keys
+
+
+def fill_many(root: str, limit: int, first: int, count: int) -> None:
+    """`count` fills into the cache at `root` (one process of the concurrent-ledger run)."""
+    from data.cache import NodeCache
+
+    cache = NodeCache.__new__(NodeCache)  # as a DataLoader worker gets it: no recount
+    cache.__setstate__({"root": Path(root), "limit_bytes": limit, "_warned": set()})
+    for i in range(first, first + count):
+        cache.ensure(f"new-{i}", lambda: b"x" * 100)
+
+
+def cache_costs(work: Path, entries: int) -> Dict[str, float]:
+    """The node cache holding `entries` files: a lookup (a hit), a fill, an eviction pass,
+    a process's start (its recount), and fills by 2 processes at once against 1."""
+    from data.cache import NodeCache
+
+    root = work / f"cache-{entries}"
+    shutil.rmtree(root, ignore_errors=True)
+    payload = b"x" * 100
+    keys = prefill(root, entries, payload)
+    limit = 1 << 50
+    costs: Dict[str, float] = {}
+    costs["start (recount) s"] = timed(lambda: NodeCache(root, limit))
+    cache = NodeCache.__new__(NodeCache)
+    cache.__setstate__({"root": root, "limit_bytes": limit, "_warned": set()})  # a worker's
+    rng = random.Random(0)
+    sample = [keys[rng.randrange(entries)] for _ in range(1000)]
+    costs["lookup s"] = timed(lambda: [cache.get(k, lambda: b"") for k in sample]) / 1000
+    costs["fill s"] = timed(lambda: [cache.ensure(f"new-{i}", lambda: payload)
+                                     for i in range(500)]) / 500
+    with cache._lock(root / "state.lock"):
+        costs["eviction pass s"] = timed(lambda: cache._evict(cache._usage() // 10))
+    fills = 400
+    costs["1 process fills/s"] = 2 * fills / timed(
+        lambda: fill_many(str(root), limit, 10_000_000, 2 * fills))
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=fill_many, args=(str(root), limit, 20_000_000 + p * fills,
+                                                  fills)) for p in range(2)]
+
+    def both() -> None:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+
+    costs["2 processes fills/s"] = 2 * fills / timed(both)
+    booked = cache.usage_bytes()  # the ledger, as the fills kept it
+    on_disk = sum(e.stat().st_size for e in cache._entries())
+    costs["ledger error B"] = abs(on_disk - booked)
+    shutil.rmtree(root)
+    return costs
+
+
+# ---- ranks under torchrun: per-step collectives and per-save coordination ----------------
+
+def ranks_worker(out: Path, steps: int, saves: int) -> None:
+    """Under torchrun: the loop's per-step collectives (the health check's all-reduce of
+    four numbers, the preemption flag's vote) and synchronous saves of a small replicated
+    state (DCP's collectives, every rank's marker, rank 0's commit); rank 0 writes medians."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from checkpointing.manager import CheckpointManager, CheckpointOptions
+    from train.distributed import init_world, shutdown_world
+    from train.health import agree_on_flag
+
+    world = init_world(torch.device("cpu"))
+    health, flags = [], []
+    for _ in range(steps):
+        summed = torch.tensor([0.5, 0.0, 0.0, 0.0], dtype=torch.float64)
+        health.append(timed(lambda: dist.all_reduce(summed)))
+        flags.append(timed(lambda: agree_on_flag(False, torch.device("cpu"),
+                                                 world.world_size)))
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(256, 256).state_dict()}
+    manager = CheckpointManager(CheckpointOptions(dir=str(out), async_mode="off", keep_last=2),
+                                world.rank, world.world_size, world.control_group)
+    save_times = []
+    for step in range(1, saves + 2):
+        dist.barrier(group=world.control_group)
+        elapsed = timed(lambda: manager.save(step, state))
+        if step > 1:  # the first allocates the staging buffers
+            save_times.append(elapsed)
+    manager.close()
+    dist.barrier(group=world.control_group)
+    if world.rank == 0:
+        (out / "result.json").write_text(json.dumps({
+            "health all-reduce s": statistics.median(health),
+            "preemption vote s": statistics.median(flags),
+            "save s": statistics.median(save_times)}))
+    shutdown_world()
+
+
+def torchrun_costs(work: Path, ranks: int, steps: int = 200, saves: int = 5
+                   ) -> Dict[str, float]:
+    out = work / f"torchrun-{ranks}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", __file__, "--ranks-worker", str(out), "--steps",
+         str(steps), "--saves", str(saves)], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    if proc.returncode or not (out / "result.json").is_file():
+        raise RuntimeError(f"torchrun with {ranks} rank(s) failed:\n{proc.stderr[-3000:]}")
+    result = json.loads((out / "result.json").read_text())
+    shutil.rmtree(out)
+    return result
+
+
+# ---- state size --------------------------------------------------------------------------
+
+STATE_MODELS = ("resnet18", "resnet50", "vit_b_16")
+
+
+def state_costs(work: Path, model: str) -> Dict[str, float]:
+    """An async (thread) save's time until committed and the loop's blocked time, against
+    torch.save + fsync and one warm copy of the same state (checkpoint_stall's rounds)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from checkpoint_stall import measure_stalls
+
+    out = work / f"state-{model}"
+    out.mkdir(parents=True, exist_ok=True)
+    stalls, mb = measure_stalls(out, 1, model, {"c": "thread"})
+    shutil.rmtree(out)
+    return {"state MB": mb, "until committed s": stalls["c"]["total"],
+            "blocked s": stalls["c"]["blocked"], "torch.save+fsync s": stalls["a'"]["blocked"],
+            "warm copy s": stalls["e"]["blocked"],
+            "committed / torch.save+fsync": stalls["c"]["total"] / stalls["a'"]["blocked"],
+            "blocked / warm copy": stalls["c"]["blocked"] / stalls["e"]["blocked"]}
+
+
+# ---- the audit ledger --------------------------------------------------------------------
+
+def ledger_bytes_per_line(work: Path, per_rank_batch: int = 32) -> float:
+    """Mean size of an audit-ledger line (one rank, one step) at ImageNet's index range."""
+    from data.ledger import LedgerWriter
+
+    path = work / "ledger.jsonl"
+    rng = random.Random(0)
+    with LedgerWriter(path, rank=517, world_size=1024) as ledger:
+        for step in range(2000):
+            ledger.record(2_000_000 + step, 40, [rng.randrange(1_281_167)
+                                                 for _ in range(per_rank_batch)], 2.345678)
+    size = path.stat().st_size / 2000
+    path.unlink()
+    return size
+
+
+# ---- the whole ---------------------------------------------------------------------------
+
+def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve]:
+    curves: Dict[str, Curve] = {}
+
+    def add(name: str, unit: str, cost_unit: str, size: float, value: float,
+            fit_from: float = 0.0) -> None:
+        curves.setdefault(name, Curve(name, unit, cost_unit, fit_from)).add(size, value)
+
+    if group == "run":
+        for days in (0.3, 3.0, 30.0):
+            m = Month(days)
+            run_dir = work / f"run-{days}"
+            wrote = write_events(run_dir, m)
+            add("events.jsonl", "days", "MB", days, wrote["bytes"] / 1e6)
+            per_line = wrote["bytes"] / wrote["lines"]
+            saves = days * DAY / m.interval
+            add("events.jsonl, every rank's saves (before)", "days", "MB", days,
+                (wrote["bytes"] + saves * 2 * (m.ranks - 1) * per_line) / 1e6)
+            add("goodput.json", "days", "MB", days, (run_dir / "goodput.json").stat().st_size / 1e6)
+            for name, argv in (("report", ["-m", "train.report", str(run_dir)]),
+                               ("plan --from-run", ["-m", "checkpointing.plan", "--from-run",
+                                                    str(run_dir), "--mtbf-hours", "34"])):
+                seconds, peak, _ = child([sys.executable, *argv])
+                add(f"{name} time", "days", "s", days, seconds)
+                add(f"{name} peak memory", "days", "MB", days, peak)
+            shutil.rmtree(run_dir)
+        line = ledger_bytes_per_line(work)
+        for days in (0.3, 3.0, 30.0):
+            add("audit ledger (1,024 ranks, 32 samples/rank)", "days", "GB", days,
+                line * 1024 * days * DAY / 1e9)
+    elif group == "ranks":
+        for ranks in (64, 512, 4096):
+            for name, value in rank0_costs(work, ranks).items():
+                add(f"rank 0 {name}", "ranks", "MB" if "MB" in name else "s", ranks, value)
+    elif group == "torchrun":
+        for ranks in opts.torchrun_ranks:
+            for name, value in torchrun_costs(work, ranks).items():
+                add(name, "ranks", "s", ranks, value, fit_from=2)  # 1 rank: no collective
+    elif group == "files":
+        for files in (f for f in (10_000, 100_000, 1_000_000) if f <= opts.max_files):
+            for name, value in file_costs(work, files).items():
+                add(name, "files", name.split()[-1], files, value)
+            for name, value in cache_costs(work, files).items():
+                add(f"cache {name}", "entries", name.split()[-1], files, value)
+    elif group == "state":
+        for model in STATE_MODELS + (("vit_l_16",) if opts.large else ()):
+            costs = state_costs(work, model)
+            mb = costs.pop("state MB")
+            for name, value in costs.items():
+                add(name, "MB of state", "s" if name.endswith(" s") else "x", mb, value)
+    return curves
+
+
+GROUPS = ("run", "ranks", "torchrun", "files", "state")
+TITLES = {"run": "run length (1,024 ranks, 1 step/s)", "ranks": "rank 0 at a save/resume "
+          "(simulated ranks)", "torchrun": "torchrun on CPU (gloo)", "files": "files and "
+          "the node cache", "state": "state size (async save vs torch.save, copy)"}
+
+
+def draw(results: Dict[str, Dict[str, Curve]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 5.5), squeeze=False)
+    for ax, (group, curves) in zip(axes[0], results.items()):
+        for curve in curves.values():
+            if min(curve.costs) > 0:
+                ax.loglog(curve.sizes, curve.costs, "o-", ms=4,
+                          label=f"{curve.name} ({curve.cost_unit}) ~n^{curve.exponent():.2f}")
+        ax.set_title(TITLES[group], fontsize=10)
+        ax.set_xlabel(next(iter(curves.values())).size_unit if curves else "")
+        ax.legend(fontsize=6.5, loc="upper left")
+        ax.grid(True, which="major", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(GROUPS),
+                        help=f"comma-separated groups of {', '.join(GROUPS)}")
+    parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--max-files", type=int, default=1_000_000)
+    parser.add_argument("--torchrun-ranks", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 2, 4])
+    parser.add_argument("--large", action="store_true", help="add ViT-L/16 + AdamW (3.7 GB "
+                        "of state; about 16 GB of memory at the peak)")
+    parser.add_argument("--png", type=Path, default=REPO / "docs" / "scale.png")
+    parser.add_argument("--ranks-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=200, help=argparse.SUPPRESS)
+    parser.add_argument("--saves", type=int, default=5, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.ranks_worker:
+        ranks_worker(opts.ranks_worker, opts.steps, opts.saves)
+        return
+    work = Path(tempfile.mkdtemp(prefix="scale-", dir=opts.work))
+    results: Dict[str, Dict[str, Curve]] = {}
+    try:
+        for group in opts.only.split(","):
+            print(f"{group}:", flush=True)
+            results[group] = measure(group, work, opts)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\nfitted growth (cost ~ size^b; b = 0 flat, 1 linear):")
+    for group, curves in results.items():
+        print(f"{TITLES[group]}:")
+        for c in curves.values():
+            points = ", ".join(f"{s:,.4g}: {v:.4g}" for s, v in zip(c.sizes, c.costs))
+            print(f"  b = {c.exponent():5.2f}  {c.name} ({c.cost_unit} per {c.size_unit}: "
+                  f"{points})")
+    draw(results, opts.png)
+    print(f"picture: {opts.png}")
+
+
+if __name__ == "__main__":
+    main()

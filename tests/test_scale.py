@@ -105,3 +105,25 @@ def test_a_resumed_process_reads_each_checkpoint_once(tmp_path, monkeypatch):
     resumed.close()
     assert reads and max(reads.values()) == 1, reads.most_common(3)
     assert sorted(p.name for p in root.iterdir()) == ["step_000000002", "step_000000003"]
+
+
+def test_a_resume_builds_no_python_list_of_the_whole_epoch():
+    # ImageNet-sized: the first batch after a resume (and each epoch's) must not hold a
+    # Python int per sample of the epoch (36 bytes each, 46 MB per rank) in the sampler.
+    import tracemalloc
+
+    from data.sampler import BatchPlan, GlobalBatchSampler, SplitBatchSampler, epoch_permutation
+
+    size, plan = 1_281_167, BatchPlan(1_281_167, 256, world_size=8)
+    expected = epoch_permutation(0, 2, size)[7 * 256 + 3 * 32:][:32].tolist()
+    for sampler in (GlobalBatchSampler(plan, seed=0, rank=3, start_epoch=2, start_step=7),
+                    SplitBatchSampler(plan, seed=0, part=3, parts=8, start_epoch=2,
+                                      start_step=7)):
+        tracemalloc.start()
+        try:
+            batch = next(iter(sampler))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert batch == [(2, i) for i in expected]
+        assert peak < 1 << 20, peak  # a megabyte: a batch's worth, not an epoch's
