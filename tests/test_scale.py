@@ -127,3 +127,40 @@ def test_a_resume_builds_no_python_list_of_the_whole_epoch():
             tracemalloc.stop()
         assert batch == [(2, i) for i in expected]
         assert peak < 1 << 20, peak  # a megabyte: a batch's worth, not an epoch's
+
+
+def test_an_eviction_scans_the_cache_without_holding_the_state_lock(tmp_path, monkeypatch):
+    # Statting every entry of a million-entry cache takes seconds; under the state lock,
+    # every fill and eviction of the node would wait for it.
+    import errno
+    import fcntl
+    import os
+
+    from data.cache import FOOTER, NodeCache
+
+    cache = NodeCache(tmp_path, limit_bytes=20 * (100 + FOOTER.size))
+    for i in range(20):
+        cache.ensure(f"k{i}", lambda: b"x" * 100)
+    scan, held = NodeCache._scan, []
+
+    def scan_noting_the_lock(self):
+        fd = os.open(self.root / "state.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            held.append(False)
+        except OSError as err:
+            assert err.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            held.append(True)
+        finally:
+            os.close(fd)
+        return scan(self)
+
+    monkeypatch.setattr(NodeCache, "_scan", scan_noting_the_lock)
+    for i in range(20, 30):
+        cache.ensure(f"k{i}", lambda: b"y" * 100)
+    assert held and not any(held), held
+    assert cache.usage_bytes() <= cache.limit_bytes
+    files = [p for p in (tmp_path / "objects").rglob("*") if p.is_file()]
+    assert cache.usage_bytes() == sum(p.stat().st_size for p in files)
+    assert (cache.get("k29", lambda: b"")[1]).hit  # the newest fills stayed
