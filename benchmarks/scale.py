@@ -52,7 +52,7 @@ class Curve:
     def add(self, size: float, cost: float) -> None:
         self.sizes.append(size)
         self.costs.append(cost)
-        print(f"  {self.name}: {size:,.0f} {self.size_unit} -> {cost:.4g} {self.cost_unit}",
+        print(f"  {self.name}: {size:,.4g} {self.size_unit} -> {cost:.4g} {self.cost_unit}",
               flush=True)
 
     def exponent(self) -> float:
@@ -407,8 +407,14 @@ def cache_costs(work: Path, entries: int) -> Dict[str, float]:
     costs["lookup s"] = timed(lambda: [cache.get(k, lambda: b"") for k in sample]) / 1000
     costs["fill s"] = timed(lambda: [cache.ensure(f"new-{i}", lambda: payload)
                                      for i in range(500)]) / 500
+    cache.limit_bytes = cache.usage_bytes()  # full: the next fill evicts 10%
+    began = time.perf_counter()
+    candidates = cache._eviction_candidates(1)
+    costs["eviction scan (unlocked) s"] = time.perf_counter() - began
     with cache._lock(root / "state.lock"):
-        costs["eviction pass s"] = timed(lambda: cache._evict(cache._usage() // 10))
+        costs["eviction under the lock s"] = timed(
+            lambda: cache._evict(cache._usage() // 10, candidates))
+    cache.limit_bytes = limit
     fills = 400
     costs["1 process fills/s"] = 2 * fills / timed(
         lambda: fill_many(str(root), limit, 10_000_000, 2 * fills))
@@ -622,6 +628,9 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="add ViT-L/16 + AdamW (3.7 GB "
                         "of state; about 16 GB of memory at the peak)")
     parser.add_argument("--png", type=Path, default=REPO / "docs" / "scale.png")
+    parser.add_argument("--save", type=Path, help="also write the curves to this JSON file")
+    parser.add_argument("--load", type=Path, nargs="*", default=[], help="curves saved by "
+                        "earlier runs (--save), printed and drawn with these")
     parser.add_argument("--ranks-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=200, help=argparse.SUPPRESS)
     parser.add_argument("--saves", type=int, default=5, help=argparse.SUPPRESS)
@@ -631,8 +640,11 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="scale-", dir=opts.work))
     results: Dict[str, Dict[str, Curve]] = {}
+    for saved in opts.load:
+        for group, curves in json.loads(saved.read_text()).items():
+            results[group] = {name: Curve(**c) for name, c in curves.items()}
     try:
-        for group in opts.only.split(","):
+        for group in [g for g in opts.only.split(",") if g]:
             print(f"{group}:", flush=True)
             results[group] = measure(group, work, opts)
     finally:
@@ -644,6 +656,9 @@ def main() -> None:
             points = ", ".join(f"{s:,.4g}: {v:.4g}" for s, v in zip(c.sizes, c.costs))
             print(f"  b = {c.exponent():5.2f}  {c.name} ({c.cost_unit} per {c.size_unit}: "
                   f"{points})")
+    if opts.save:
+        opts.save.write_text(json.dumps({g: {n: vars(c) for n, c in curves.items()}
+                                         for g, curves in results.items()}, indent=1))
     draw(results, opts.png)
     print(f"picture: {opts.png}")
 
