@@ -238,19 +238,23 @@ class NodeCache:
 
     def _remove(self, entries: Sequence[Tuple[float, int, Path]], need: float = math.inf
                 ) -> int:
-        """Unlink cached files in order until `need` bytes are freed, taking them off the
-        ledger (lock held); the bytes freed."""
+        """Unlink cached files in order until `need` bytes are freed, then take them off
+        the ledger in one write (lock held; a crash in between leaves it counting too
+        much, which evicts early until the next process start recounts); the bytes freed."""
         freed = 0
-        for _, _, path in entries:
-            if freed >= need:
-                break
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                continue  # someone else removed it and its bytes
-            self._add_usage(-size)
-            freed += size
+        try:
+            for _, _, path in entries:
+                if freed >= need:
+                    break
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                except FileNotFoundError:
+                    continue  # someone else removed it and its bytes
+                freed += size
+        finally:
+            if freed:
+                self._add_usage(-freed)
         return freed
 
     def _entries(self) -> Iterator[os.DirEntry]:
