@@ -1,8 +1,8 @@
 """Cost as the work grows: files, ranks, run length, state size; each curve's growth.
 
     python benchmarks/scale.py                     # every curve, then docs/scale.png
-    python benchmarks/scale.py --only run,ranks    # some of them (files, ranks, run,
-                                                   #  torchrun, state)
+    python benchmarks/scale.py --only run,ranks    # some of them (run, ranks, torchrun,
+                                                   #  files, cache, state)
 
 Each curve is measured at (at least) three sizes a decade apart and printed with its fitted
 growth: the exponent b of cost ~ size^b (a least-squares line through the log-log points;
@@ -579,6 +579,8 @@ def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve
         for files in (f for f in (10_000, 100_000, 1_000_000) if f <= opts.max_files):
             for name, value in file_costs(work, files).items():
                 add(name, "files", name.split()[-1], files, value)
+    elif group == "cache":
+        for files in (f for f in (10_000, 100_000, 1_000_000) if f <= opts.max_files):
             for name, value in cache_costs(work, files).items():
                 add(f"cache {name}", "entries", name.split()[-1], files, value)
     elif group == "state":
@@ -590,10 +592,10 @@ def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve
     return curves
 
 
-GROUPS = ("run", "ranks", "torchrun", "files", "state")
+GROUPS = ("run", "ranks", "torchrun", "files", "cache", "state")
 TITLES = {"run": "run length (1,024 ranks, 1 step/s)", "ranks": "rank 0 at a save/resume "
-          "(simulated ranks)", "torchrun": "torchrun on CPU (gloo)", "files": "files and "
-          "the node cache", "state": "state size (async save vs torch.save, copy)"}
+          "(simulated ranks)", "torchrun": "torchrun on CPU (gloo)", "files": "files: listing, "
+          "index, sampler", "cache": "the node cache", "state": "state size (async save vs torch.save, copy)"}
 
 
 def draw(results: Dict[str, Dict[str, Curve]], out: Path) -> None:
