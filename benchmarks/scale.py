@@ -76,19 +76,28 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
-def child(argv: Sequence[str]) -> Tuple[float, float, int]:
-    """(seconds, peak resident MB, exit code) of a command run in a process of its own."""
+# Runs a module as `python -m` does, then prints its peak resident memory (VmHWM: of this
+# address space alone; getrusage's maximum also counts the parent's, inherited by the fork).
+PEAK = ("import runpy, sys\n"
+        "sys.argv = sys.argv[1:]\n"
+        "try:\n"
+        "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+        "finally:\n"
+        "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
+        "    print('PEAK', hwm.split()[1], file=sys.stderr)\n")
+
+
+def child(module: str, args: Sequence[str]) -> Tuple[float, float]:
+    """(seconds, peak resident MB) of `python -m module args` in a process of its own."""
     began = time.perf_counter()
-    proc = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run([sys.executable, "-c", PEAK, module, *args], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     seconds = time.perf_counter() - began
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace")
-    proc.stderr.close()
-    if proc.returncode != 0:
-        print(f"    {' '.join(argv[:4])} failed ({proc.returncode}): {err[-500:]}")
-    return seconds, usage.ru_maxrss / 1024, proc.returncode
+    peak = [line for line in proc.stderr.splitlines() if line.startswith("PEAK ")]
+    if proc.returncode != 0 or not peak:
+        raise RuntimeError(f"python -m {module} failed ({proc.returncode}): "
+                           f"{proc.stderr[-500:]}")
+    return seconds, int(peak[-1].split()[1]) / 1024
 
 
 # ---- run length: a month of events --------------------------------------------------------
@@ -556,10 +565,11 @@ def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve
             add("events.jsonl, every rank's saves (before)", "days", "MB", days,
                 (wrote["bytes"] + saves * 2 * (m.ranks - 1) * per_line) / 1e6)
             add("goodput.json", "days", "MB", days, (run_dir / "goodput.json").stat().st_size / 1e6)
-            for name, argv in (("report", ["-m", "train.report", str(run_dir)]),
-                               ("plan --from-run", ["-m", "checkpointing.plan", "--from-run",
-                                                    str(run_dir), "--mtbf-hours", "34"])):
-                seconds, peak, _ = child([sys.executable, *argv])
+            for name, module, args in (
+                    ("report", "train.report", [str(run_dir)]),
+                    ("plan --from-run", "checkpointing.plan", ["--from-run", str(run_dir),
+                                                               "--mtbf-hours", "34"])):
+                seconds, peak = child(module, args)
                 add(f"{name} time", "days", "s", days, seconds)
                 add(f"{name} peak memory", "days", "MB", days, peak)
             shutil.rmtree(run_dir)
