@@ -614,8 +614,12 @@ def draw(results: Dict[str, Dict[str, Curve]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 5.5), squeeze=False)
-    for ax, (group, curves) in zip(axes[0], results.items()):
+    columns = min(3, len(results))
+    rows = math.ceil(len(results) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7 * columns, 5.5 * rows), squeeze=False)
+    for ax in axes.flat[len(results):]:
+        ax.set_visible(False)
+    for ax, (group, curves) in zip(axes.flat, results.items()):
         for curve in curves.values():
             if min(curve.costs) > 0:
                 ax.loglog(curve.sizes, curve.costs, "o-", ms=4,
