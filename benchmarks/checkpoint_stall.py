@@ -250,11 +250,10 @@ def profile_saves(work: Path, mode: str, saves: int = 3, lines: int = 15) -> Non
     pstats.Stats(profile).sort_stats("tottime").print_stats(lines)
 
 
-def ranks_worker(work: Path, repeats: int) -> None:
-    """Under torchrun: every rank saves the same replicated state; rank 0 reports."""
-    world = init_world(torch.device("cpu"))
-    model, optimizer = build_state()
-    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+def synchronous_saves(work: Path, world: Any, state: Dict[str, Any], repeats: int
+                      ) -> List[float]:
+    """Under torchrun, every rank: seconds of `repeats` synchronous saves of `state` to
+    `work` (steps 2 to repeats + 1; the first, untimed, allocates the staging buffers)."""
     manager = CheckpointManager(CheckpointOptions(dir=str(work), async_mode="off", keep_last=2),
                                 world.rank, world.world_size, world.control_group)
     times = []
@@ -265,6 +264,15 @@ def ranks_worker(work: Path, repeats: int) -> None:
         if step > 1:
             times.append(elapsed)
     dist.barrier(group=world.control_group)
+    return times
+
+
+def ranks_worker(work: Path, repeats: int) -> None:
+    """Under torchrun: every rank saves the same replicated state; rank 0 reports."""
+    world = init_world(torch.device("cpu"))
+    model, optimizer = build_state()
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+    times = synchronous_saves(work, world, state, repeats)
     if world.rank == 0:
         last = work / f"step_{repeats + 1:09d}"
         per_rank = [sum(p.stat().st_size for p in last.glob(f"__{r}_*.distcp"))

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -458,7 +457,8 @@ def ranks_worker(out: Path, steps: int, saves: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from checkpointing.manager import CheckpointManager, CheckpointOptions
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from checkpoint_stall import synchronous_saves
     from train.distributed import init_world, shutdown_world
     from train.health import agree_on_flag
 
@@ -471,16 +471,7 @@ def ranks_worker(out: Path, steps: int, saves: int) -> None:
                                                  world.world_size)))
     torch.manual_seed(0)
     state = {"model": torch.nn.Linear(256, 256).state_dict()}
-    manager = CheckpointManager(CheckpointOptions(dir=str(out), async_mode="off", keep_last=2),
-                                world.rank, world.world_size, world.control_group)
-    save_times = []
-    for step in range(1, saves + 2):
-        dist.barrier(group=world.control_group)
-        elapsed = timed(lambda: manager.save(step, state))
-        if step > 1:  # the first allocates the staging buffers
-            save_times.append(elapsed)
-    manager.close()
-    dist.barrier(group=world.control_group)
+    save_times = synchronous_saves(out, world, state, saves)
     if world.rank == 0:
         (out / "result.json").write_text(json.dumps({
             "health all-reduce s": statistics.median(health),

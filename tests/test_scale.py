@@ -4,7 +4,6 @@ benchmarks/scale.py, not here.)"""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
