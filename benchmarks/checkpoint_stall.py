@@ -62,12 +62,14 @@ LABELS = {"a": "torch.save, full state", "a'": "torch.save + fsync", "b": "DCP s
 TRAIN_BATCH = 128  # the default experiment's
 
 
-def build_state() -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """ResNet-50 with AdamW after one step, so exp_avg / exp_avg_sq exist (3x the params)."""
+def build_state(name: str = "resnet50") -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A torchvision model (ResNet-50 unless named) with AdamW after one step, so exp_avg /
+    exp_avg_sq exist (3x the params)."""
     torch.manual_seed(0)  # every rank builds the same replica
-    model = torchvision.models.get_model("resnet50", num_classes=1000)
+    model = torchvision.models.get_model(name, num_classes=1000)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = F.cross_entropy(model(torch.randn(2, 3, 64, 64)), torch.tensor([0, 1]))
+    side = 224 if name.startswith("vit") else 64  # a ViT takes its image size only
+    loss = F.cross_entropy(model(torch.randn(2, 3, side, side)), torch.tensor([0, 1]))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -172,11 +174,12 @@ def remove_checkpoints(directory: Path) -> None:
         shutil.rmtree(step_dir)
 
 
-def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]], float]:
+def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
+                   modes: Dict[str, str] = MODES) -> Tuple[Dict[str, Dict[str, float]], float]:
     """{label: {"blocked": s, "total": s, ...}} medians over `repeats` interleaved rounds,
-    and the state's size in MB."""
+    and the state's size in MB; DCP saves in `modes` (a subset of MODES)."""
     world = init_world(torch.device("cpu"))  # a 1-rank gloo group: async_mode=process needs one
-    model, optimizer = build_state()
+    model, optimizer = build_state(model_name)
     tensors = state_tensors(model, optimizer)
     state_mb = sum(t.numel() * t.element_size() for t in tensors) / 1e6
     buffers = [torch.empty_like(t) for t in tensors]
@@ -188,8 +191,9 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
     managers = {key: CheckpointManager(CheckpointOptions(dir=str(work / mode), async_mode=mode,
                                                          keep_last=1000),
                                        world.rank, world.world_size, world.control_group)
-                for key, mode in MODES.items()}
-    samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in LABELS}
+                for key, mode in modes.items()}
+    samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in LABELS
+                                                  if k not in MODES or k in modes}
     step = 0
     for round_ in range(repeats + 1):  # round 0 warms up (process start, page cache)
         full = work / "torch_save.pt"
@@ -217,7 +221,7 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
                 for kind, value in values.items():
                     samples[key].setdefault(kind, []).append(value)
         print(f"  round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
-            f"({k}) {results[k]['blocked']:.3f}s" for k in LABELS), flush=True)
+            f"({k}) {results[k]['blocked']:.3f}s" for k in samples), flush=True)
     shutdown_world()
     return {k: {kind: statistics.median(v) for kind, v in s.items()}
             for k, s in samples.items()}, state_mb
@@ -246,11 +250,10 @@ def profile_saves(work: Path, mode: str, saves: int = 3, lines: int = 15) -> Non
     pstats.Stats(profile).sort_stats("tottime").print_stats(lines)
 
 
-def ranks_worker(work: Path, repeats: int) -> None:
-    """Under torchrun: every rank saves the same replicated state; rank 0 reports."""
-    world = init_world(torch.device("cpu"))
-    model, optimizer = build_state()
-    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+def synchronous_saves(work: Path, world: Any, state: Dict[str, Any], repeats: int
+                      ) -> List[float]:
+    """Under torchrun, every rank: seconds of `repeats` synchronous saves of `state` to
+    `work` (steps 2 to repeats + 1; the first, untimed, allocates the staging buffers)."""
     manager = CheckpointManager(CheckpointOptions(dir=str(work), async_mode="off", keep_last=2),
                                 world.rank, world.world_size, world.control_group)
     times = []
@@ -261,6 +264,15 @@ def ranks_worker(work: Path, repeats: int) -> None:
         if step > 1:
             times.append(elapsed)
     dist.barrier(group=world.control_group)
+    return times
+
+
+def ranks_worker(work: Path, repeats: int) -> None:
+    """Under torchrun: every rank saves the same replicated state; rank 0 reports."""
+    world = init_world(torch.device("cpu"))
+    model, optimizer = build_state()
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}
+    times = synchronous_saves(work, world, state, repeats)
     if world.rank == 0:
         last = work / f"step_{repeats + 1:09d}"
         per_rank = [sum(p.stat().st_size for p in last.glob(f"__{r}_*.distcp"))

@@ -76,40 +76,48 @@ class Incomplete(Exception):
 
 
 def verify(store: Store, directory: str, step: int, read_contents: bool = True) -> int:
+    """Raise `Incomplete` unless `directory` is a complete checkpoint of `step`; returns the
+    world size it was saved at (see `verified_files`)."""
+    return verified_files(store, directory, step, read_contents)[0]
+
+
+def verified_files(store: Store, directory: str, step: int, read_contents: bool = True
+                   ) -> Tuple[int, Dict[str, FileRecord]]:
     """Raise `Incomplete` unless `directory` is a complete checkpoint of `step`.
 
-    Returns the world size it was saved at. With `read_contents=False` only the markers and
+    Returns the world size it was saved at, and the files its markers list. With `read_contents=False` only the markers and
     the presence and sizes of the files they list are checked, and no other file is read:
     for what this job has just written, whose checksums came from the bytes on their way to
     the files and whose `.metadata` it wrote itself (unpickling it safely costs about a
     quarter of a second for ResNet-50's state).
     """
-    names = set(store.listdir(store.path(directory)))
-    if METADATA_FILE not in names:
+    # One listing gives every file's type and size: per rank, rank 0 then reads only its
+    # marker (and, with `read_contents`, its files' bytes).
+    entries = store.entries(store.path(directory))
+    if METADATA_FILE not in entries:
         raise Incomplete(f"{METADATA_FILE} is missing")
-    ranks = sorted(int(m.group(1)) for n in names if (m := MARKER.match(n)))
+    ranks = sorted(int(m.group(1)) for n in entries if (m := MARKER.match(n)))
     if not ranks:
         raise Incomplete("no commit marker")
     listed: Dict[str, FileRecord] = {}
     world_size: Optional[int] = None
     for rank in ranks:
-        path = store.path(directory, marker_name(rank))
-        _check_regular_file(store, path, marker_name(rank))
-        if store.size(path) > MAX_MARKER_BYTES:
-            raise Incomplete(f"{marker_name(rank)} is over {MAX_MARKER_BYTES >> 20} MB: not a "
-                             f"commit marker")
+        name = marker_name(rank)
+        _check_regular_file(entries, name)
+        if entries[name][1] > MAX_MARKER_BYTES:
+            raise Incomplete(f"{name} is over {MAX_MARKER_BYTES >> 20} MB: not a commit marker")
         try:
-            body = json.loads(store.read_bytes(path))
+            body = json.loads(store.read_bytes(store.path(directory, name)))
             files = {n: FileRecord.from_marker(n, f) for n, f in body["files"].items()}
             marker_step, marker_world = int(body["step"]), int(body["world_size"])
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError,
                 OverflowError) as err:  # OverflowError: a size of 1e400
-            raise Incomplete(f"{marker_name(rank)} is unreadable "
+            raise Incomplete(f"{name} is unreadable "
                              f"({type(err).__name__}: {str(err)[:200]})") from None
         if marker_step != step:
-            raise Incomplete(f"{marker_name(rank)} belongs to step {marker_step}")
+            raise Incomplete(f"{name} belongs to step {marker_step}")
         if marker_world < 1:
-            raise Incomplete(f"{marker_name(rank)} says world size {marker_world}")
+            raise Incomplete(f"{name} says world size {marker_world}")
         if world_size not in (None, marker_world):
             raise Incomplete("commit markers disagree on the world size")
         world_size = marker_world
@@ -122,17 +130,15 @@ def verify(store: Store, directory: str, step: int, read_contents: bool = True) 
     if METADATA_FILE not in listed:  # unsigned, it could be anything, even a FIFO
         raise Incomplete(f"no commit marker lists {METADATA_FILE}")
     for name, record in sorted(listed.items()):
-        path = store.path(directory, name)
-        if name not in names:
-            raise Incomplete(f"{name} is missing")
-        _check_regular_file(store, path, name)
-        size = store.size(path)
+        _check_regular_file(entries, name)
+        size = entries[name][1]
         if size != record.size:
             raise Incomplete(f"{name} is {size} bytes, its marker says {record.size}")
-        if read_contents and store.checksum(path, record.algorithm) != record.checksum:
+        if (read_contents and store.checksum(store.path(directory, name), record.algorithm)
+                != record.checksum):
             raise Incomplete(f"{name} does not match its checksum (altered or swapped)")
     if not read_contents:
-        return world_size
+        return world_size, listed
     try:
         with store.fs.open(store.path(directory, METADATA_FILE), "rb") as f:
             metadata = load_metadata(f)
@@ -144,13 +150,15 @@ def verify(store: Store, directory: str, step: int, read_contents: bool = True) 
     unlisted = sorted(needed - set(listed))
     if unlisted:
         raise Incomplete(f"{unlisted[0]} is used by {METADATA_FILE} but no marker lists it")
-    return world_size
+    return world_size, listed
 
 
-def _check_regular_file(store: Store, path: str, name: str) -> None:
+def _check_regular_file(entries: Dict[str, Tuple[bool, int]], name: str) -> None:
     """A checkpoint holds regular files only: a link may point at /dev/zero, a FIFO or a
     file outside the checkpoint, and reading those hangs or leaks."""
-    if not store.is_regular_file(path):
+    if name not in entries:
+        raise Incomplete(f"{name} is missing")
+    if not entries[name][0]:
         raise Incomplete(f"{name} is not a regular file (a symlink, device or directory)")
 
 

@@ -462,6 +462,8 @@ class CheckpointManager:
         same on every rank: rank 0 verifies checksums and hands out each choice."""
         candidates = commit.find_complete(self.remote, log) if self.rank == 0 else iter(())
         while (choice := self._broadcast(next(candidates, None))) is not None:
+            if self.rank == 0:  # its checksums were just read: retention need not again
+                self._verified.add((self.remote.url, choice[0]))
             yield choice
 
     def load(self, step: int, state: Dict[str, Any], partial: bool = False) -> bool:

@@ -32,9 +32,9 @@ import math
 import random
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -222,10 +222,10 @@ class RunMeasures:
     source: str
 
 
-def read_json_lines(path: Path) -> List[Dict]:
-    """The well-formed JSON objects of `path`, one a line; a torn or foreign line is
-    skipped (the file is appended to by processes that may die mid-line)."""
-    records = []
+def read_json_lines(path: Path) -> Iterator[Dict]:
+    """The well-formed JSON objects of `path`, one a line, one at a time (a month of events
+    at 1,024 ranks is hundreds of MB); a torn or foreign line is skipped (the file is
+    appended to by processes that may die mid-line)."""
     with open(path, errors="replace") as f:
         for line in f:
             try:  # a huge integer parses as inf, for `usable` to drop (not OverflowError)
@@ -233,31 +233,50 @@ def read_json_lines(path: Path) -> List[Dict]:
             except (ValueError, RecursionError):
                 continue
             if isinstance(record, dict):
-                records.append(record)
-    return records
+                yield record
 
 
-def rank0_events(records: List[Dict], kind: str) -> List[Dict]:
-    """Rank 0's `kind` events (every rank records each save and resume)."""
-    return [r for r in records if r.get("kind") == kind and r.get("rank", 0) == 0]
-
-
-def usable(values: List[object]) -> List[float]:
+def usable(values: Iterable[object]) -> List[float]:
     """The numbers among `values` from 0 to LARGEST (the file is hostile input)."""
     return [float(v) for v in values if isinstance(v, (int, float))
             and not isinstance(v, bool) and 0 <= v <= LARGEST]
 
 
-def since_start(records: List[Dict], kind: str) -> List[float]:
-    """For each rank-0 `kind` event: seconds since its process started (imports included);
-    `seconds` of the event itself where that start is not recorded."""
-    began = {r.get("pid"): r.get("time") for r in rank0_events(records, "start")}
-    values: List[object] = []
-    for r in rank0_events(records, kind):
-        start, end = began.get(r.get("pid")), r.get("time")
-        timed = all(isinstance(v, (int, float)) for v in (start, end))
-        values.append(end - start if timed else r.get("seconds"))
-    return usable(values)
+@dataclass
+class RunEvents:
+    """What the plan takes from rank 0's events (every rank records each resume): the
+    saves' stalls and durations, and the processes' starts, first steps and resumes, as
+    (pid, time, seconds); gathered in one pass over the file, in memory that grows with the
+    saves and restarts alone."""
+
+    stalls: List[object] = field(default_factory=list)
+    saves: List[object] = field(default_factory=list)
+    began: Dict[object, object] = field(default_factory=dict)  # pid: time of its start
+    marks: Dict[str, List[Tuple[object, object, object]]] = field(
+        default_factory=lambda: {"resume": [], "first_step": []})
+
+    def add(self, r: Dict) -> None:
+        if r.get("rank", 0) != 0:
+            return
+        kind = r.get("kind")
+        if kind == "save_staged":
+            self.stalls.append(r.get("stall"))
+        elif kind == "save_committed":
+            self.saves.append(r.get("seconds"))
+        elif kind == "start":
+            self.began[r.get("pid")] = r.get("time")
+        elif kind in self.marks:
+            self.marks[kind].append((r.get("pid"), r.get("time"), r.get("seconds")))
+
+    def since_start(self, kind: str) -> List[float]:
+        """For each rank-0 `kind` event: seconds since its process started (imports
+        included); `seconds` of the event itself where that start is not recorded."""
+        values: List[object] = []
+        for pid, end, seconds in self.marks[kind]:
+            start = self.began.get(pid)
+            timed = all(isinstance(v, (int, float)) for v in (start, end))
+            values.append(end - start if timed else seconds)
+        return usable(values)
 
 
 def from_events(run_dir: Path) -> Optional[RunMeasures]:
@@ -266,15 +285,16 @@ def from_events(run_dir: Path) -> Optional[RunMeasures]:
     path = run_dir / "events.jsonl"
     if not path.is_file():
         return None
-    records = read_json_lines(path)
-    stalls = usable([r.get("stall") for r in rank0_events(records, "save_staged")])
-    saves = usable([r.get("seconds") for r in rank0_events(records, "save_committed")])
+    events = RunEvents()
+    for record in read_json_lines(path):
+        events.add(record)
+    stalls, saves = usable(events.stalls), usable(events.saves)
     if not stalls or not saves:
         return None
     # A restart is a start-up plus a load: a run never resumed shows its start-up alone.
-    restarts, what = since_start(records, "resume"), "resumes"
+    restarts, what = events.since_start("resume"), "resumes"
     if not restarts:
-        restarts, what = since_start(records, "first_step"), "starts, no resume"
+        restarts, what = events.since_start("first_step"), "starts, no resume"
     return RunMeasures(statistics.median(saves), statistics.median(stalls),
                        statistics.median(restarts) if restarts else None,
                        step_seconds(run_dir), f"{path} ({len(saves)} saves, "

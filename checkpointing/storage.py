@@ -12,7 +12,7 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
-from typing import Callable, List, TypeVar
+from typing import Callable, Dict, List, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -69,6 +69,23 @@ class Store:
             return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
         except FileNotFoundError:
             return []
+
+    def entries(self, path: str | None = None) -> Dict[str, Tuple[bool, int]]:
+        """{name: (a regular file?, size)} of the entries under `path` (default: the root),
+        from one listing: an object store's gives the sizes, so a checkpoint of 4,096 ranks
+        is checked without a request per file (locally, one lstat each). {} when missing."""
+        path = path or self.root
+        try:
+            if self.is_local:
+                with os.scandir(path) as listing:
+                    return {e.name: (e.is_file(follow_symlinks=False),
+                                     e.stat(follow_symlinks=False).st_size) for e in listing}
+            listing = _retrying(lambda: self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return {}
+        return {os.path.basename(i["name"].rstrip("/")): (i.get("type") == "file",
+                                                          int(i.get("size") or 0))
+                for i in listing}
 
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)

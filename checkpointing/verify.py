@@ -35,13 +35,14 @@ def listed_files(store: Store, directory: str) -> Tuple[int, int]:
 def check(store: Store, name: str, step: int) -> Tuple[bool, str]:
     """(complete?, the report line) for the committed checkpoint directory `name`."""
     try:
-        world_size = commit.verify(store, name, step)
+        world_size, files = commit.verified_files(store, name, step)
     except commit.Incomplete as why:
         return False, f"{name}  INCOMPLETE: {why}"
     except OSError as err:  # a flaky mount or a permission problem is not "complete" either
         return False, f"{name}  INCOMPLETE: unreadable ({type(err).__name__}: {err})"
-    count, size = listed_files(store, name)
-    return True, f"{name}  complete  ({count} files, {size / 1e6:.1f} MB, world size {world_size})"
+    size = sum(f.size for f in files.values())
+    return True, (f"{name}  complete  ({len(files)} files, {size / 1e6:.1f} MB, world size "
+                  f"{world_size})")
 
 
 def scrub(store: Store) -> Tuple[List[str], bool]:

@@ -26,6 +26,7 @@ import errno
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -35,7 +36,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Set, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from common.processes import pid_alive
 
@@ -171,7 +172,7 @@ class NodeCache:
             # The temporary name carries the booked size, so a recount can see reservations.
             tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{size}-"
                                  f"{path.name}")
-            if not self._reserve(size, tmp):
+            if not self._reserve(size, tmp, self._eviction_candidates(size)):
                 return  # the budget is taken by other processes' fills in flight
             try:
                 with open(tmp, "r+b") as f:
@@ -203,12 +204,23 @@ class NodeCache:
             self._warned.add(message)
             log.warning(message, self.root)
 
-    def _reserve(self, size: int, tmp: Path) -> bool:
+    def _eviction_candidates(self, size: int) -> List[Tuple[float, int, Path]]:
+        """When `size` more bytes would not fit: every object, least recently used first,
+        scanned without the state lock (a million entries take seconds to stat, and every
+        fill on the node waits for that lock); [] when they fit."""
+        if self._usage() + size <= self.limit_bytes:  # unlocked: a hint, checked again
+            return []
+        return sorted(self._scan(), key=lambda e: e[0])
+
+    def _reserve(self, size: int, tmp: Path,
+                 candidates: Sequence[Tuple[float, int, Path]] = ()) -> bool:
         """Book `size` bytes and create the (empty) fill file `tmp`, in one step under the
-        lock; False when the bytes do not fit even after eviction."""
+        lock, evicting `candidates` in order (and scanning again only when they are not
+        enough); False when the bytes do not fit even after eviction."""
         with self._lock(self.root / "state.lock"):
             if self._usage() + size > self.limit_bytes:
-                self._evict(self._usage() + size - int(self.limit_bytes * LOW_WATERMARK))
+                need = self._usage() + size - int(self.limit_bytes * LOW_WATERMARK)
+                self._evict(need, candidates)
             if self._usage() + size > self.limit_bytes:
                 return False
             tmp.parent.mkdir(exist_ok=True)
@@ -216,27 +228,34 @@ class NodeCache:
             self._add_usage(size)
             return True
 
-    def _evict(self, need: int) -> None:
-        """Delete least-recently-used objects until `need` bytes are free (lock held)."""
-        entries = sorted(self._scan(), key=lambda e: e[0])
-        chosen: List[Path] = []
-        freed = 0
-        for _, size, path in entries:
-            if freed >= need:
-                break
-            chosen.append(path)
-            freed += size
-        self._remove(chosen)
+    def _evict(self, need: int, candidates: Sequence[Tuple[float, int, Path]] = ()) -> None:
+        """Delete least-recently-used objects until `need` bytes are free (lock held): from
+        `candidates` (a scan made without the lock), then from a scan of its own if those
+        were not enough (another process evicted them meanwhile)."""
+        freed = self._remove(candidates, need)
+        if freed < need:
+            self._remove(sorted(self._scan(), key=lambda e: e[0]), need - freed)
 
-    def _remove(self, paths: List[Path]) -> None:
-        """Unlink cached files and take them off the ledger (lock held)."""
-        for path in paths:
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                continue  # someone else removed it and its bytes
-            self._add_usage(-size)
+    def _remove(self, entries: Sequence[Tuple[float, int, Path]], need: float = math.inf
+                ) -> int:
+        """Unlink cached files in order until `need` bytes are freed, then take them off
+        the ledger in one write (lock held; a crash in between leaves it counting too
+        much, which evicts early until the next process start recounts); the bytes freed."""
+        freed = 0
+        try:
+            for _, _, path in entries:
+                if freed >= need:
+                    break
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                except FileNotFoundError:
+                    continue  # someone else removed it and its bytes
+                freed += size
+        finally:
+            if freed:
+                self._add_usage(-freed)
+        return freed
 
     def _entries(self) -> Iterator[os.DirEntry]:
         for sub in os.scandir(self.root / "objects"):

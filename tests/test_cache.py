@@ -275,8 +275,8 @@ def test_a_fill_that_another_hosts_recount_reaped_is_served_uncached(tmp_path, m
     cache, other = NodeCache(tmp_path / "c", 10 ** 6), NodeCache(tmp_path / "c", 10 ** 6)
     reserve = NodeCache._reserve
 
-    def reserve_then_reaped(self, size, tmp):
-        booked = reserve(self, size, tmp)
+    def reserve_then_reaped(self, size, tmp, candidates=()):
+        booked = reserve(self, size, tmp, candidates)
         with monkeypatch.context() as m:
             m.setattr("data.cache.pid_alive", lambda pid: False)
             other.reconcile()

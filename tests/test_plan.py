@@ -7,6 +7,7 @@ import math
 import pytest
 
 from checkpointing import plan
+from support.streams import read_through_fifo
 
 MIN, HOUR = 60.0, 3600.0
 FOUR_YEARS = 4 * 8766 * HOUR
@@ -91,7 +92,7 @@ def test_from_run_reads_the_measured_stall_save_and_restart(tmp_path, capsys):
     process's start-up and load; torn and foreign lines are skipped."""
     events = [{"kind": "start", "time": 100.0, "rank": 0, "pid": 7}]
     for step in (10, 20, 30):
-        for rank in (0, 1):  # every rank records its saves
+        for rank in (0, 1):  # rank 0's count (older runs recorded every rank's)
             events += [{"kind": "save_staged", "rank": rank, "step": step, "stall": 0.5 + rank},
                        {"kind": "save_committed", "rank": rank, "step": step,
                         "seconds": 4.0 + rank}]
@@ -109,6 +110,13 @@ def test_from_run_reads_the_measured_stall_save_and_restart(tmp_path, capsys):
     assert "restart R = 12 s, step 0.1 s" in out
     young_sync = next(line for line in out.splitlines() if line.startswith("sync"))
     assert f"{math.ceil(math.sqrt(2 * 4 * HOUR) / 0.1):,}" in young_sync
+
+
+def test_from_run_reads_the_events_as_they_come(tmp_path):
+    lines = [json.dumps(e) for e in SAVES] + ["torn {"]
+    records, streamed = read_through_fifo(tmp_path / "events.jsonl", lines,
+                                          plan.read_json_lines)
+    assert streamed and [r["kind"] for r in records] == [e["kind"] for e in SAVES]
 
 
 def test_from_run_without_saves_says_what_is_missing(tmp_path, capsys):

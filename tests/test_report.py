@@ -16,6 +16,7 @@ import pytest
 from support.launch import PYTHON, finish, launch, run, run_job
 from support.runs import train_args
 from support.logs import our_records
+from support.streams import read_through_fifo
 from train import events, report
 from train.events import read_events
 
@@ -27,8 +28,8 @@ def png_size(path: Path) -> tuple:
     return struct.unpack(">II", data[16:24])
 
 
-def kinds(attempt: report.Attempt) -> list:
-    return [e.kind for e in attempt.events]
+def kinds(events: list) -> list:
+    return [e.kind for e in events]
 
 
 def test_a_killed_and_resumed_run_has_a_timeline_and_a_report(tiny_root, tmp_path, capsys):
@@ -49,17 +50,26 @@ def test_a_killed_and_resumed_run_has_a_timeline_and_a_report(tiny_root, tmp_pat
     assert "goodput report (python -m train.report" in out  # made at the end of the run
     timeline = read_events(run_dir / "events.jsonl")
     assert timeline.skipped == 0
-    first, second = report.attempts_of(timeline.events)
+    by_attempt = {}
+    for e in timeline.events:
+        by_attempt.setdefault(e.attempt, []).append(e)
+    first, second = sorted(by_attempt.values(), key=lambda events: events[0].time)
+    of = lambda events, kind: [e["step"] for e in events if e.kind == kind]  # noqa: E731
     assert kinds(first)[:2] == ["start", "first_step"] and "exit" not in kinds(first)
     # A commit is recorded at the next step: step 4's only by the resume from it.
-    assert [e["step"] for e in first.of("save_staged")] == [2, 4]
-    assert [e["step"] for e in first.of("save_committed")] == [2]
-    assert [e["step"] for e in second.of("resume")] == [4]  # where the kill left it
-    assert [e["step"] for e in second.of("first_step")] == [5]
-    assert [e["step"] for e in second.of("save_committed")] == [6, 8, 10, 12]
-    assert [e["code"] for e in second.of("exit")] == [0] and kinds(second)[-2:] == ["end", "exit"]
-    assert all(e.pid == killed.pid for e in first.events)  # no torchrun: the trainer itself
-    assert first.start < first.last < second.start
+    assert of(first, "save_staged") == [2, 4] and of(first, "save_committed") == [2]
+    assert of(second, "resume") == [4]  # where the kill left it
+    assert of(second, "first_step") == [5]
+    assert of(second, "save_committed") == [6, 8, 10, 12]
+    assert [e["code"] for e in second if e.kind == "exit"] == [0]
+    assert kinds(second)[-2:] == ["end", "exit"]
+    assert all(e.pid == killed.pid for e in first)  # no torchrun: the trainer itself
+    # The report's summary of each attempt, from the same events
+    died, resumed = report.attempts_of(timeline.events)
+    assert died.exit_code is None and died.running == {0} and list(died.staged_open) == [4]
+    assert resumed.resumed_from == 4 and resumed.first_step["step"] == 5
+    assert resumed.committed.count == 4 and resumed.exit_code == 0 and not resumed.running
+    assert died.start < died.last < resumed.start
 
     assert report.main([str(run_dir)]) == 0
     table = capsys.readouterr().out
@@ -201,3 +211,102 @@ def test_a_picture_path_without_a_suffix_is_a_png_there(tmp_path, capsys):
     assert report.main([str(tmp_path), "--out", str(tmp_path / "picture")]) == 0
     assert f"picture: {tmp_path / 'picture'}" in capsys.readouterr().out
     assert png_size(tmp_path / "picture")
+
+
+# ---- a month of events: streamed, summed exactly, drawn from a bounded sample ----
+
+def month_of_events(attempts: int, steps_each: int, ranks: int = 4):
+    """Events as a generator (never a list): `attempts` attempts of `steps_each` steps,
+    progress every step, a save every 10 with one failed in every 7th attempt, a rollback
+    in every 5th; killed attempts but the last; the save in flight at a kill cut short in
+    odd attempts, resumed from (so committed) in even ones. Yields, then returns nothing:
+    the expected totals are in `month_totals`."""
+    t, step = 1e9, 0
+    for a in range(attempts):
+        last = a == attempts - 1
+        ident = f"a{a}"
+        e = lambda kind, rank=0, **f: events.Event(kind, t, rank, 100 + a, ident, 0, f)  # noqa: E731
+        for rank in range(ranks):
+            yield e("start", rank, world_size=ranks)
+        if a:
+            yield e("resume", step=step, seconds=1.0)
+        yield e("first_step", step=step + 1)
+        for _ in range(steps_each):
+            step += 1
+            t += 1.0
+            yield e("progress", step=step)
+            if step % 10 == 0:
+                yield e("save_staged", step=step, stall=0.01)
+                if step % 10 == 0 and (step // 10) % steps_each and not (a % 7 == 0 and
+                                                                       step % 30 == 0):
+                    yield e("save_committed", step=step, seconds=0.5)
+                elif a % 7 == 0 and step % 30 == 0:
+                    yield e("save_failed", step=step, error="disk")
+        if a % 5 == 4:
+            yield e("rollback", step=step, to_step=step - 5, seconds=2.0)
+            step -= 5
+        if last:
+            yield e("end", step=step)
+            for rank in range(ranks):
+                yield e("exit", rank, code=0)
+        t += 5.0
+
+
+def test_a_month_of_events_is_summed_exactly_from_a_stream_and_drawn_bounded(tmp_path):
+    attempts, steps_each = 20, 5_000  # 100,000 progress events
+    run = report.Run(tmp_path, None, "no books",
+                     report.attempts_of(month_of_events(attempts, steps_each)))
+    # The same sums, counted the slow way over every event of a fresh stream
+    all_events = list(month_of_events(attempts, steps_each))
+    of = lambda kind: [e for e in all_events if e.kind == kind]  # noqa: E731
+    c = report.counts(run)
+    assert len(run.attempts) == attempts and c.restarts == attempts - 1
+    assert c.failed_saves == len(of("save_failed"))
+    assert c.failures == {"killed": attempts - 1, "exception": 0,
+                          "health": len(of("rollback")), "preemption": 0}
+    landed = {(e.attempt, e["step"]) for e in of("save_committed") + of("save_failed")}
+    in_flight = [e for e in of("save_staged") if (e.attempt, e["step"]) not in landed]
+    resumed = {(f"a{i - 1}", e["step"]) for i, e in enumerate(of("resume"), 1)}
+    late = [e for e in in_flight if (e.attempt, e["step"]) in resumed]
+    assert c.committed == len(of("save_committed")) + len(late)
+    assert c.cut_short == len(in_flight) - len(late)
+    assert max(a.top for a in run.attempts) == max(e["step"] for e in of("progress"))
+    # Drawn from a sample of fixed size, however many progress events there were
+    points = sum(len(a.curve()) for a in run.attempts)
+    assert points <= report.MAX_POINTS + 8 * attempts, points
+    assert run.attempts[-1].curve()[-1][1] == of("end")[0]["step"]
+
+
+def test_thousands_of_attempts_are_drawn_as_one_aggregate(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = report.Run(tmp_path, None, "no books",
+                     report.attempts_of(month_of_events(2_000, 3, ranks=1)))
+    fig, ax = plt.subplots()
+    try:
+        report.draw_timeline(ax, run)
+        # text labels for the first MAX_LABELLED attempts' sake only, and a fixed number
+        # of collections and lines, not some per attempt
+        assert len(ax.texts) + len(ax.lines) + len(ax.collections) <= 12
+        assert "2,000 attempts" in ax.texts[0].get_text()
+    finally:
+        plt.close(fig)
+
+
+def test_the_report_reads_events_as_they_come(tmp_path):
+    lines = [event_line("start", world_size=1), "garbage", event_line("exit", code=0)]
+    stream = events.EventStream(tmp_path / "events.jsonl")
+    read, streamed = read_through_fifo(tmp_path / "events.jsonl", lines, lambda _: stream)
+    assert streamed and [e.kind for e in read] == ["start", "exit"] and stream.skipped == 1
+
+
+def test_only_rank_0_records_what_all_ranks_do_together(tmp_path):
+    for rank in (1, 0):
+        events.open_timeline(tmp_path, rank=rank, world_size=2, started_at=1.0)
+        events.record_once("save_staged", step=2, stall=0.1)
+        events.close()
+    kept = [(e.rank, e.kind) for e in read_events(tmp_path / "events.jsonl").events]
+    assert sorted(kept) == [(0, "save_staged"), (0, "start"), (1, "start")]

@@ -216,7 +216,7 @@ class Checkpointer:
         began = time.time()
         self.stall_seconds = self.manager.save(position.step, state)
         self._record_landed()  # the previous save: the manager waited for it
-        events.record("save_staged", step=position.step, stall=self.stall_seconds)
+        events.record_once("save_staged", step=position.step, stall=self.stall_seconds)
         self._landing = (position.step, began)
         self.schedule.saved(position.step, self.stall_seconds, self.manager.last_save_seconds)
         return self.stall_seconds
@@ -284,7 +284,7 @@ class Checkpointer:
             events.record("save_failed", step=step, error=self.manager.last_failure[:300])
         else:
             seconds = self.manager.last_save_seconds
-            events.record("save_committed", at=began + seconds, step=step, seconds=seconds)
+            events.record_once("save_committed", at=began + seconds, step=step, seconds=seconds)
 
 
 def refuse_another_run(cfg: DictConfig, saved: RunInfo, current_config: Dict[str, str]) -> None:

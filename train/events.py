@@ -41,15 +41,15 @@ log = logging.getLogger(__name__)
 EVENTS_FILE = "events.jsonl"
 MAX_LINE_BYTES = 1 << 16  # ours are ~200 bytes; a longer line is garbage, skipped unread
 MAX_TEXT = 300  # characters of an error kept in an event
-MAX_EVENTS = 1_000_000  # a reader stops there (about 200 MB of events)
+MAX_EVENTS = 1_000_000  # read_events stops there (its list: about 1 GB of events)
 
 # The fields of each kind beyond the common ones; `float` also takes an int.
 KINDS: Dict[str, Dict[str, type]] = {
     "start": {"world_size": int},  # `time` is when the process began, imports included
     "first_step": {"step": int},  # the first batch of the process's first step arrived
     "progress": {"step": int},  # rank 0, at each log line: steps done
-    "save_staged": {"step": int, "stall": float},  # the loop goes on; `stall`: it waited
-    "save_committed": {"step": int, "seconds": float},  # `time`: when it landed
+    "save_staged": {"step": int, "stall": float},  # rank 0; `stall`: the loop waited
+    "save_committed": {"step": int, "seconds": float},  # rank 0; `time`: when it landed
     "save_failed": {"step": int, "error": str},
     "resume": {"step": int, "seconds": float},  # loaded checkpoint `step` in `seconds`
     "rollback": {"step": int, "to_step": int, "seconds": float},  # health: reloaded
@@ -128,10 +128,17 @@ def record(kind: str, at: Optional[float] = None, **fields: Any) -> None:
         _timeline.record(kind, at, **fields)
 
 
+def record_once(kind: str, at: Optional[float] = None, **fields: Any) -> None:
+    """Rank 0 alone records it: what every rank does together, like a save, is one line
+    per run, not one per rank (at 1,024 ranks the file would grow a thousand times as fast,
+    and the report and the planner read rank 0's alone)."""
+    if _timeline is not None and _timeline.rank == 0:
+        _timeline.record(kind, at, **fields)
+
+
 def progress(step: int) -> None:
     """Rank 0 alone records how far the run got (one line per log line, not per rank)."""
-    if _timeline is not None and _timeline.rank == 0:
-        _timeline.record("progress", step=step)
+    record_once("progress", step=step)
 
 
 def close() -> None:
@@ -250,22 +257,37 @@ def _lines(path: Path) -> Iterator[Tuple[bytes, bool]]:
             yield b"", False
 
 
+class EventStream:
+    """The events of `path` in file order, one at a time, never holding more than one line
+    (the report reads a month of events this way); once iterated, `skipped` counts the
+    lines that are not events (blank lines are not: racing writers may leave one) and
+    `lines` all the lines read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.skipped, self.lines = path, 0, 0
+
+    def __iter__(self) -> Iterator[Event]:
+        for line, whole in _lines(self.path):
+            self.lines += 1
+            if whole and not line.strip():
+                continue
+            event = parse_event(line) if whole else None
+            if event is None:
+                self.skipped += 1
+            else:
+                yield event
+
+
 def read_events(path: Path) -> Events:
-    """The events in `path`, sorted by time; lines that are not events are counted in
-    `skipped` (blank lines are not: racing writers may leave one)."""
+    """The events in `path`, sorted by time, in a list (at most MAX_EVENTS lines: the
+    whole file in memory; the report streams instead)."""
     events: List[Event] = []
-    skipped = 0
-    for n, (line, whole) in enumerate(_lines(path)):
-        if n >= MAX_EVENTS:
-            return Events(sorted(events, key=lambda e: e.time), skipped, truncated=True)
-        if whole and not line.strip():
-            continue
-        event = parse_event(line) if whole else None
-        if event is None:
-            skipped += 1
-        else:
-            events.append(event)
-    return Events(sorted(events, key=lambda e: e.time), skipped)
+    stream = EventStream(path)
+    for event in stream:
+        if stream.lines > MAX_EVENTS:
+            return Events(sorted(events, key=lambda e: e.time), stream.skipped, truncated=True)
+        events.append(event)
+    return Events(sorted(events, key=lambda e: e.time), stream.skipped)
 
 
 def wall_clock(perf_counter_mark: float) -> float:
