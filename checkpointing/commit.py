@@ -187,6 +187,6 @@ def find_complete(store: Store, log=None) -> Iterator[Tuple[int, int]]:
         except (Incomplete, OSError) as why:  # OSError: unreadable after the store's retries
             if log:
                 log.warning("checkpoint %s is incomplete (%s): skipping it",
-                            store.path(step_dir_name(step)), why)
+                            store.url_of(step_dir_name(step)), why)
             continue
         yield step, world_size

@@ -143,3 +143,10 @@ class Store:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+        if not self.is_local:
+            # The prefix's folder marker, the key `path/`: what consoles create as a folder,
+            # and what stores with folders (SeaweedFS) keep listing once they are empty
+            try:
+                self.fs.rm_file(path.rstrip("/") + "/")
+            except FileNotFoundError:
+                pass

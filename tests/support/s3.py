@@ -44,6 +44,9 @@ class SeaweedFS:
     root: Path
     key: str = field(default_factory=lambda: f"AKID{uuid.uuid4().hex[:16].upper()}")
     secret: str = field(default_factory=lambda: f"sk/{uuid.uuid4().hex}+{uuid.uuid4().hex[:8]}")
+    # creates and deletes buckets (the trainer's key cannot: SeaweedFS would create a
+    # missing bucket at the first PUT of an admin, which no cloud's S3 does)
+    admin_key: str = field(default_factory=lambda: f"AKIDADMIN{uuid.uuid4().hex[:12].upper()}")
     ports: Dict[str, int] = field(default_factory=dict)
     extra: tuple = ()
     proc: Optional[subprocess.Popen] = None
@@ -65,6 +68,9 @@ class SeaweedFS:
         config = self.root / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "test", "credentials": [{"accessKey": self.key, "secretKey": self.secret}],
+            "actions": ["Read", "Write", "List", "Tagging"]}, {
+            "name": "admin", "credentials": [{"accessKey": self.admin_key,
+                                              "secretKey": self.secret}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
         # The zeros: no Iceberg or Lance port (fixed ones by default, so a second server
         # would fail), no metrics port, volumes as many as the disk holds (8 run out).

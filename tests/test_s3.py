@@ -1,0 +1,236 @@
+"""Training against a real S3 API: SeaweedFS on loopback, reached through s3fs, for the data
+(`data.root=s3://...`) and the checkpoints (`checkpoint.dir=s3://...`). The server's own
+request log is the evidence of what was fetched."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Dict, Iterator, Optional
+
+import pytest
+
+from checkpointing.manager import CheckpointManager, CheckpointOptions
+from support.checkpoints import assert_same_contents, checkpoint_contents
+from support.launch import PYTHON, free_port, train_env
+from support.ledger import assert_exactly_once, samples_per_rank
+from support.runs import REPO, tiny_overrides
+from support.s3 import SeaweedFS
+from support.tiny_job import Job, same
+from test_secrets import files_holding
+
+s3fs = pytest.importorskip("s3fs", reason="pip install -e '.[test]' installs s3fs")
+
+
+@pytest.fixture(scope="module")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """One server for this module's tests, its endpoint and key in this process's
+    environment (and so in the trainers it starts), as a user would export them."""
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), extra=("-v=2",)).start()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in server.env().items():
+            env.setenv(name, value)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def new_bucket(server: SeaweedFS) -> str:
+    bucket = f"t{uuid.uuid4().hex[:12]}"  # S3 bucket names: 3-63 lowercase characters
+    client(server).mkdir(bucket)
+    return bucket
+
+
+def client(server: SeaweedFS):
+    """The tests' own view of the store, with the key that may create and delete buckets."""
+    return s3fs.S3FileSystem(key=server.admin_key, secret=server.secret,
+                             skip_instance_cache=True, endpoint_url=server.endpoint)
+
+
+def jpeg_gets(server: SeaweedFS, offset: int, prefix: str) -> Counter:
+    """How often the server sent each JPEG under `/prefix`, after `offset` of its log."""
+    with open(server.root / "weed.log", "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return Counter(re.findall(rf'" GET "(/{re.escape(prefix)}/[^"?]+\.jpg)" 200', text))
+
+
+def log_size(server: SeaweedFS) -> int:
+    return (server.root / "weed.log").stat().st_size
+
+
+def train(tmp_path: Path, root: str, *extra: str, fault: str = "",
+          env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """`python -m train` on the tiny dataset at `root`, checkpointing every 4 steps (4, 8,
+    12); `env`: the whole environment (default: the tests' trainers')."""
+    args = ["-m", "train", *tiny_overrides(root), "model=tiny_cnn",
+            "model.dropout=0.3", "logger=none", "trainer.device=cpu",
+            "checkpoint.interval_steps=4", "checkpoint.keep_last=2",
+            f"audit.ledger={tmp_path / 'ledger.jsonl'}", f"run.root={tmp_path / 'runs'}",
+            f"data.cache_dir={tmp_path / 'cache'}", *extra]
+    return subprocess.run([*PYTHON, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env or train_env(
+                              **({"GOODPUT_FAULT": fault} if fault else {})))
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    """The log of a run that succeeded (Hydra logs to stdout, warnings go to stderr)."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*PYTHON, "-m", *args], capture_output=True, text=True, timeout=120,
+                          env=train_env(), cwd=REPO)
+
+
+def final_contents(server: SeaweedFS, url: str, tmp_path: Path) -> dict:
+    """The items of the checkpoint at `url`, downloaded."""
+    local = tmp_path / "downloaded"
+    client(server).get(url.removeprefix("s3://"), str(local), recursive=True)
+    return checkpoint_contents(local)
+
+
+@pytest.fixture(scope="module")
+def s3_run(seaweedfs: SeaweedFS, tiny_root: Path, tmp_path_factory) -> dict:
+    """An uninterrupted run from the mounted dataset, checkpointing to s3://BUCKET/run."""
+    tmp = tmp_path_factory.mktemp("s3_run")
+    bucket = new_bucket(seaweedfs)
+    log = ok(train(tmp, str(tiny_root), f"checkpoint.dir=s3://{bucket}/run", "run.name=r"))
+    return {"bucket": bucket, "tmp": tmp, "log": log,
+            "contents": final_contents(seaweedfs, f"s3://{bucket}/run/step_000000012", tmp),
+            "samples": samples_per_rank(tmp / "ledger.jsonl")}
+
+
+def test_checkpoints_to_s3_commit_retain_verify_and_export(seaweedfs, s3_run, tmp_path):
+    bucket = s3_run["bucket"]
+    assert "checkpoint at step" not in s3_run["log"]  # none failed, none not uploaded
+    assert "][ERROR]" not in s3_run["log"]
+    # retention (keep_last=2) on the object store: only complete steps, no partials
+    assert client(seaweedfs).ls(f"{bucket}/run") == [f"{bucket}/run/step_000000008",
+                                                      f"{bucket}/run/step_000000012"]
+    result = tool("checkpointing.verify", f"s3://{bucket}/run")
+    assert result.returncode == 0, result.stderr
+    assert [line.split("  ")[:2] for line in result.stdout.splitlines()] == [
+        ["step_000000012", "complete"], ["step_000000008", "complete"]]
+    out = tmp_path / "model.safetensors"
+    result = tool("checkpointing.export", f"s3://{bucket}/run", str(out))
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+    exported = load_file(out)
+    assert exported and all(
+        exported[k].equal(s3_run["contents"][f"model.{k}"]) for k in exported)
+
+
+def test_sigkill_during_an_upload_then_the_same_command_resumes_from_s3(
+        seaweedfs, s3_run, tiny_root, tmp_path):
+    """Killed while uploading its 2nd checkpoint (step 8): the half-uploaded step_8 is never
+    trusted; the same command, on a machine whose staging tier is empty, resumes from step 4
+    on S3 and ends bit-identical to the uninterrupted run."""
+    bucket = new_bucket(seaweedfs)
+    args = [str(tiny_root), f"checkpoint.dir=s3://{bucket}/run", "run.name=r"]
+    killed = train(tmp_path, *args, f"checkpoint.staging_dir={tmp_path / 'stage1'}",
+                   fault="kill:rank=0:save=2:phase=uploading")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    result = tool("checkpointing.verify", f"s3://{bucket}/run")
+    assert result.returncode == 1
+    assert result.stdout.splitlines()[0].startswith("step_000000008  INCOMPLETE: ")
+    assert result.stdout.splitlines()[1].startswith("step_000000004  complete")
+
+    log = ok(train(tmp_path, *args, f"checkpoint.staging_dir={tmp_path / 'stage2'}"))
+    assert (f"checkpoint s3://{bucket}/run/step_000000008 is incomplete (no commit marker): "
+            f"skipping it") in log, log[-3000:]
+    assert f"resumed from s3://{bucket}/run/step_000000004 (step 4" in log
+    assert_same_contents(final_contents(seaweedfs, f"s3://{bucket}/run/step_000000012",
+                                        tmp_path), s3_run["contents"])
+    assert_exactly_once(tmp_path / "ledger.jsonl")
+
+
+def test_training_from_s3_gets_each_object_once_per_node(seaweedfs, s3_run, tiny_root,
+                                                         tmp_path):
+    """Two epochs from s3://: every object fetched once (the node cache), none on a rerun,
+    the samples in the order of a run from the mounted dataset. The key and endpoint come
+    only from `data.storage_options` here, and the secret reaches no log, name, MLflow
+    record or stored file."""
+    bucket = new_bucket(seaweedfs)
+    client(seaweedfs).put(str(tiny_root), f"{bucket}/shapes", recursive=True)
+    env = {k: v for k, v in train_env().items() if not k.startswith("AWS_")}
+    options = [f"+data.storage_options.endpoint_url={seaweedfs.endpoint}",
+               f"+data.storage_options.key={seaweedfs.key}",
+               f"+data.storage_options.secret='{seaweedfs.secret}'"]
+    offset = log_size(seaweedfs)
+    first = train(tmp_path, f"s3://{bucket}/shapes", *options,
+                  f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "logger=mlflow",
+                  "logger.system_metrics=false", "logger.log_model=false", env=env)
+    log = ok(first)
+    jpegs = sorted(f"/{bucket}/shapes/{p.relative_to(tiny_root)}"
+                   for p in tiny_root.rglob("*.jpg"))
+    assert jpeg_gets(seaweedfs, offset, f"{bucket}/shapes") == Counter({f: 1 for f in jpegs})
+    assert samples_per_rank(tmp_path / "ledger.jsonl") == s3_run["samples"]
+
+    offset = log_size(seaweedfs)
+    ok(train(tmp_path, f"s3://{bucket}/shapes", *options, "run.name=again",
+             "checkpoint.enabled=false", env=env))
+    assert jpeg_gets(seaweedfs, offset, f"{bucket}/shapes") == Counter()
+
+    assert seaweedfs.secret not in log
+    assert files_holding(tmp_path, seaweedfs.secret) == []
+    from mlflow.tracking import MlflowClient
+    mlflow = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run, = mlflow.search_runs([mlflow.get_experiment_by_name("goodput-trainer").experiment_id])
+    assert run.data.params["data.storage_options.secret"] == "***"
+    assert run.data.params["data.storage_options.endpoint_url"] == seaweedfs.endpoint
+
+
+def test_a_bucket_gone_mid_run_is_one_warning_and_the_next_checkpoint_uploads(
+        seaweedfs, tmp_path, caplog):
+    bucket = new_bucket(seaweedfs)
+    fs = client(seaweedfs)
+    mgr = CheckpointManager(CheckpointOptions(dir=f"s3://{bucket}/ck", keep_last=2,
+                                              staging_dir=str(tmp_path / "stage")))
+    job = Job()
+    mgr.save(1, job.state())
+    assert mgr.wait()
+    fs.rm(bucket, recursive=True)  # the bucket, and everything in it, gone
+    with caplog.at_level(logging.INFO, logger="checkpointing"):
+        for step in (2, 3):
+            job.step()
+            mgr.save(step, job.state())
+            assert mgr.wait() is False  # training goes on
+        fs.mkdir(bucket)
+        job.step()
+        mgr.save(4, job.state())
+        assert mgr.wait()
+    ours = [r for r in caplog.records if r.name.startswith("checkpointing")]
+    assert [r.levelname for r in ours] == ["WARNING", "INFO", "INFO"]
+    assert ours[0].getMessage().startswith(
+        f"checkpoint at step 2 could not be uploaded to checkpoint.dir s3://{bucket}/ck (")
+    assert ours[2].getMessage().startswith(f"checkpoint.dir s3://{bucket}/ck is reachable "
+                                           f"again: step 4 uploaded after 2 failed")
+    fresh = CheckpointManager(CheckpointOptions(dir=f"s3://{bucket}/ck",
+                                                staging_dir=str(tmp_path / "empty")))
+    loaded = Job(seed=1)
+    assert fresh.load_latest(loaded.state()).step == 4
+    assert same(loaded.snapshot(), job.snapshot())
+
+
+@pytest.mark.parametrize("gone", ["bucket", "endpoint"])
+def test_a_store_gone_at_start_is_one_line_and_exit_2(seaweedfs, tiny_root, tmp_path, gone):
+    """The endpoint comes from `checkpoint.storage_options` here: nothing listens there."""
+    where = ([f"checkpoint.dir=s3://nosuchbucket{uuid.uuid4().hex[:8]}/run"] if gone == "bucket"
+             else [f"checkpoint.dir=s3://{new_bucket(seaweedfs)}/run",
+                   f"+checkpoint.storage_options.endpoint_url=http://127.0.0.1:{free_port()}"])
+    result = train(tmp_path, str(tiny_root), *where)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: {where[0]} is not a writable directory ("), lines
+    everything = result.stdout + result.stderr
+    assert "Traceback" not in everything and "step 1/" not in everything
+    assert seaweedfs.secret not in everything
