@@ -362,7 +362,7 @@ class CheckpointManager:
         self.failed_saves += 1
         error, where = failure
         if where == self.remote.url and not self.remote.is_local:
-            self._discard(self._pending_step)
+            self._discard(self._pending_step, uploading=True)
             self.last_failure = one_line(error)
             self._report_failed_upload(report)
             return False
@@ -390,12 +390,13 @@ class CheckpointManager:
             log.info("checkpoint at step %d could not be uploaded either (%s)",
                      self._pending_step, self.last_failure)
 
-    def _discard(self, step: int) -> None:
+    def _discard(self, step: int, uploading: bool = False) -> None:
         """Remove a failed save's partial directory now: on a full disk it holds the room
         the next save needs (retention would only clean it after a success). On an object
-        store that is `step_X` itself, half-uploaded."""
+        store that is `step_X` itself, half-uploaded when the failure came `uploading`
+        (before, it may still hold a complete checkpoint of that step: a rollback's)."""
         remote_dir = self._remote_dir(step)
-        if self.rank == 0:
+        if self.rank == 0 and (self.remote.renames or uploading):
             try:
                 self.remote.remove(self.remote.path(remote_dir))
             except Exception:  # the store that just failed may fail again, its own way

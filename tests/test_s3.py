@@ -4,6 +4,7 @@ request log is the evidence of what was fetched."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -13,20 +14,21 @@ from pathlib import Path
 from typing import Dict, Iterator, Optional
 
 import pytest
+import s3fs  # the test extra installs it: without it these tests fail, never skip
 
+from checkpointing import commit
 from checkpointing.manager import CheckpointManager, CheckpointOptions
+from checkpointing.storage import Store
 from support.checkpoints import assert_same_contents, checkpoint_contents
 from support.launch import PYTHON, free_port, train_env
 from support.ledger import assert_exactly_once, samples_per_rank
 from support.runs import REPO, compose_config, tiny_overrides
 from support.s3 import SeaweedFS
-from support.tiny_job import Job, same
+from support.tiny_job import Job, same, two_checkpoints
 from train.checkpoint import training_config
 from train.config import default_run_name
 from train.tracking import mlflow_params
 from test_secrets import files_holding
-
-s3fs = pytest.importorskip("s3fs", reason="pip install -e '.[test]' installs s3fs")
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +246,22 @@ def test_a_store_gone_at_start_is_one_line_and_exit_2(seaweedfs, tiny_root, tmp_
     everything = result.stdout + result.stderr
     assert "Traceback" not in everything and "step 1/" not in everything
     assert seaweedfs.secret not in everything
+
+
+@pytest.mark.parametrize("attempts", [("a", "a"), ("a", "b"), (None, "b")])
+def test_markers_of_different_save_attempts_never_make_a_checkpoint(tmp_path, attempts):
+    """On an object store a dead attempt's marker can sit beside this attempt's files (no
+    rename separates them): only markers that all name one attempt vouch for a step."""
+    root, _ = two_checkpoints(tmp_path)
+    step_dir = root / "step_000000002"
+    body = json.loads((step_dir / "commit_rank_0.json").read_text())
+    for rank, attempt in enumerate(attempts):
+        marker = {**body, "rank": rank, "world_size": 2, "attempt": attempt,
+                  "files": body["files"] if rank == 0 else {}}
+        (step_dir / f"commit_rank_{rank}.json").write_text(json.dumps(marker))
+    store = Store(str(root))
+    if attempts[0] == attempts[1]:
+        assert commit.verify(store, step_dir.name, 2) == 2
+    else:
+        with pytest.raises(commit.Incomplete, match="commit markers of different save attempts"):
+            commit.verify(store, step_dir.name, 2)
