@@ -16,13 +16,15 @@ from typing import Dict, Iterator, Optional
 import pytest
 import s3fs  # the test extra installs it: without it these tests fail, never skip
 
-from checkpointing import commit
+from safetensors.torch import load_file
+
+from checkpointing import commit, export, verify
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
 from support.checkpoints import assert_same_contents, checkpoint_contents
 from support.launch import PYTHON, free_port, train_env
 from support.ledger import assert_exactly_once, samples_per_rank
-from support.runs import REPO, compose_config, tiny_overrides
+from support.runs import compose_config, tiny_overrides
 from support.s3 import SeaweedFS
 from support.tiny_job import Job, same, two_checkpoints
 from train.checkpoint import training_config
@@ -89,9 +91,11 @@ def ok(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
-def tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*PYTHON, "-m", *args], capture_output=True, text=True, timeout=120,
-                          env=train_env(), cwd=REPO)
+def verify_lines(url: str, capsys: pytest.CaptureFixture) -> tuple:
+    """(exit code, [name, verdict] per line) of `python -m checkpointing.verify URL`, run
+    here: the endpoint and key are in this process's environment as in a user's shell."""
+    code = verify.main([url])
+    return code, [line.split("  ")[:2] for line in capsys.readouterr().out.splitlines()]
 
 
 def final_contents(server: SeaweedFS, url: str, tmp_path: Path) -> dict:
@@ -112,28 +116,27 @@ def s3_run(seaweedfs: SeaweedFS, tiny_root: Path, tmp_path_factory) -> dict:
             "samples": samples_per_rank(tmp / "ledger.jsonl")}
 
 
-def test_checkpoints_to_s3_commit_retain_verify_and_export(seaweedfs, s3_run, tmp_path):
+def test_checkpoints_to_s3_commit_retain_verify_and_export(seaweedfs, s3_run, tmp_path,
+                                                           capsys):
     bucket = s3_run["bucket"]
     assert "checkpoint at step" not in s3_run["log"]  # none failed, none not uploaded
     assert "][ERROR]" not in s3_run["log"]
     # retention (keep_last=2) on the object store: only complete steps, no partials
     assert client(seaweedfs).ls(f"{bucket}/run") == [f"{bucket}/run/step_000000008",
                                                       f"{bucket}/run/step_000000012"]
-    result = tool("checkpointing.verify", f"s3://{bucket}/run")
-    assert result.returncode == 0, result.stderr
-    assert [line.split("  ")[:2] for line in result.stdout.splitlines()] == [
-        ["step_000000012", "complete"], ["step_000000008", "complete"]]
+    assert verify_lines(f"s3://{bucket}/run", capsys) == (0, [
+        ["step_000000012", "complete"], ["step_000000008", "complete"]])
     out = tmp_path / "model.safetensors"
-    result = tool("checkpointing.export", f"s3://{bucket}/run", str(out))
-    assert result.returncode == 0, result.stderr
-    from safetensors.torch import load_file
+    assert export.main([f"s3://{bucket}/run", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"exported the model of s3://{bucket}/run/step_000000012 (step 12)")
     exported = load_file(out)
     assert exported and all(
         exported[k].equal(s3_run["contents"][f"model.{k}"]) for k in exported)
 
 
 def test_sigkill_during_an_upload_then_the_same_command_resumes_from_s3(
-        seaweedfs, s3_run, tiny_root, tmp_path):
+        seaweedfs, s3_run, tiny_root, tmp_path, capsys):
     """Killed while uploading its 2nd checkpoint (step 8): the half-uploaded step_8 is never
     trusted; the same command, on a machine whose staging tier is empty, resumes from step 4
     on S3 and ends bit-identical to the uninterrupted run."""
@@ -142,10 +145,9 @@ def test_sigkill_during_an_upload_then_the_same_command_resumes_from_s3(
     killed = train(tmp_path, *args, f"checkpoint.staging_dir={tmp_path / 'stage1'}",
                    fault="kill:rank=0:save=2:phase=uploading")
     assert killed.returncode == -9, killed.stderr[-3000:]
-    result = tool("checkpointing.verify", f"s3://{bucket}/run")
-    assert result.returncode == 1
-    assert result.stdout.splitlines()[0].startswith("step_000000008  INCOMPLETE: ")
-    assert result.stdout.splitlines()[1].startswith("step_000000004  complete")
+    code, lines = verify_lines(f"s3://{bucket}/run", capsys)
+    assert code == 1 and lines == [["step_000000008", "INCOMPLETE: no commit marker"],
+                                   ["step_000000004", "complete"]]
 
     log = ok(train(tmp_path, *args, f"checkpoint.staging_dir={tmp_path / 'stage2'}"))
     assert (f"checkpoint s3://{bucket}/run/step_000000008 is incomplete (no commit marker): "
