@@ -22,7 +22,7 @@ from checkpointing import commit, export, verify
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
 from support.checkpoints import assert_same_contents, checkpoint_contents
-from support.launch import PYTHON, free_port, train_env
+from support.launch import PYTHON, free_port, train_env, wait_for
 from support.ledger import assert_exactly_once, samples_per_rank
 from support.runs import compose_config, tiny_overrides
 from support.s3 import SeaweedFS
@@ -230,6 +230,60 @@ def test_a_bucket_gone_mid_run_is_one_warning_and_the_next_checkpoint_uploads(
     loaded = Job(seed=1)
     assert fresh.load_latest(loaded.state()).step == 4
     assert same(loaded.snapshot(), job.snapshot())
+
+
+PROBE_BUCKET = "gone"
+
+
+def accepts_writes(fs) -> bool:
+    """Whether a restarted server takes a PUT yet (its S3 port answers before its volume
+    server has registered)."""
+    try:
+        fs.pipe_file(f"{PROBE_BUCKET}/probe", b"x")
+    except Exception:  # refused or unanswered: botocore's errors are its own, not OSError
+        return False
+    return True
+
+
+def test_an_endpoint_gone_mid_run_is_one_warning_and_the_upload_retried(tmp_path, caplog):
+    """The server killed mid-run, then back: the credentials and endpoint come from
+    `checkpoint.storage_options` (none from the environment), with botocore's retries cut
+    to one attempt so that each failure is quick."""
+    server = SeaweedFS(tmp_path / "server").start()
+    try:
+        admin = client(server)
+        admin.mkdir(PROBE_BUCKET)
+        options = {"endpoint_url": server.endpoint, "key": server.key, "secret": server.secret,
+                   "config_kwargs": {"retries": {"max_attempts": 1}}}
+        mgr = CheckpointManager(CheckpointOptions(dir=f"s3://{PROBE_BUCKET}/ck",
+                                                  staging_dir=str(tmp_path / "stage"),
+                                                  storage_options=options))
+        job = Job()
+        mgr.save(1, job.state())
+        assert mgr.wait()
+        server.stop()
+        with caplog.at_level(logging.INFO, logger="checkpointing"):
+            job.step()
+            mgr.save(2, job.state())
+            assert mgr.wait() is False
+            server.start()  # the same ports and data
+            wait_for(lambda: accepts_writes(admin), "SeaweedFS to take writes again", 60)
+            job.step()
+            mgr.save(3, job.state())
+            assert mgr.wait()
+        ours = [r for r in caplog.records if r.name.startswith("checkpointing")]
+        assert [r.levelname for r in ours] == ["WARNING", "INFO"]
+        assert ours[0].getMessage().startswith(f"checkpoint at step 2 could not be uploaded "
+                                               f"to checkpoint.dir s3://{PROBE_BUCKET}/ck (")
+        assert server.secret not in caplog.text
+        fresh = CheckpointManager(CheckpointOptions(dir=f"s3://{PROBE_BUCKET}/ck",
+                                                    staging_dir=str(tmp_path / "empty"),
+                                                    storage_options=options))
+        loaded = Job(seed=1)
+        assert fresh.load_latest(loaded.state()).step == 3
+        assert same(loaded.snapshot(), job.snapshot())
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("gone", ["bucket", "endpoint"])
