@@ -12,6 +12,11 @@ partial directory to `step_X` once every rank's marker is there. A checkpoint is
 when `.metadata` and a marker for every rank are present and every file verifies, so a crash
 at any instant leaves the older checkpoints as they were, and nothing half-written is ever
 named `step_X`. "Newest" is the highest parsed step, never a file time or string order.
+
+An object store cannot rename (`Store.renames`): there each rank uploads its files straight
+into `step_X/`, then its marker, so a `step_X/` may be half-written, and only verification
+tells. Every marker names the save attempt that wrote it and all must name the same one: a
+marker left by a dead attempt never vouches for this attempt's files, nor theirs for it.
 """
 
 from __future__ import annotations
@@ -58,8 +63,8 @@ class FileRecord:
 
 
 def write_marker(store: Store, directory: str, step: int, rank: int, world_size: int,
-                 files: Dict[str, FileRecord]) -> None:
-    body = {"step": step, "rank": rank, "world_size": world_size,
+                 files: Dict[str, FileRecord], attempt: Optional[str] = None) -> None:
+    body = {"step": step, "rank": rank, "world_size": world_size, "attempt": attempt,
             "files": {name: marker_entry(r.size, r.algorithm, r.checksum)
                       for name, r in files.items()}}
     store.write_bytes(store.path(directory, marker_name(rank)),
@@ -69,6 +74,12 @@ def write_marker(store: Store, directory: str, step: int, rank: int, world_size:
 def markers_present(store: Store, directory: str) -> List[int]:
     return sorted(int(m.group(1)) for n in store.listdir(store.path(directory))
                   if (m := MARKER.match(n)))
+
+
+def marker_attempt(store: Store, directory: str, rank: int) -> Optional[str]:
+    """The save attempt that wrote rank `rank`'s marker (None in markers before attempts were
+    recorded); raises OSError or ValueError when it cannot be read."""
+    return json.loads(store.read_bytes(store.path(directory, marker_name(rank)))).get("attempt")
 
 
 class Incomplete(Exception):
@@ -101,6 +112,7 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
         raise Incomplete("no commit marker")
     listed: Dict[str, FileRecord] = {}
     world_size: Optional[int] = None
+    attempts = set()
     for rank in ranks:
         name = marker_name(rank)
         _check_regular_file(entries, name)
@@ -110,6 +122,7 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
             body = json.loads(store.read_bytes(store.path(directory, name)))
             files = {n: FileRecord.from_marker(n, f) for n, f in body["files"].items()}
             marker_step, marker_world = int(body["step"]), int(body["world_size"])
+            attempts.add(str(body.get("attempt")))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError,
                 OverflowError) as err:  # OverflowError: a size of 1e400
             raise Incomplete(f"{name} is unreadable "
@@ -123,6 +136,9 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
         world_size = marker_world
         listed.update(files)
     assert world_size is not None
+    if len(attempts) > 1:
+        raise Incomplete("commit markers of different save attempts (one is still uploading, "
+                         "or died)")
     present = set(ranks)  # a marker's world size may be 10**12: never build range() whole
     missing_ranks = list(islice((r for r in range(world_size) if r not in present), 8))
     if missing_ranks:
@@ -179,6 +195,6 @@ def find_complete(store: Store, log=None) -> Iterator[Tuple[int, int]]:
         except (Incomplete, OSError) as why:  # OSError: unreadable after the store's retries
             if log:
                 log.warning("checkpoint %s is incomplete (%s): skipping it",
-                            store.path(step_dir_name(step)), why)
+                            store.url_of(step_dir_name(step)), why)
             continue
         yield step, world_size

@@ -203,7 +203,7 @@ def export(ckpt: str, out: Path) -> Tuple[str, int]:
                     from None
             state = load_model_state(Path(tmp, name))
     write(state, out, step)
-    return store.path(name), step
+    return store.url_of(name), step
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -19,9 +19,9 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,8 @@ class CheckpointOptions:
     async_mode: str = "thread"
     keep_last: int = 3
     commit_timeout_s: float = 600.0
+    # fsspec's options for `dir` (an S3-compatible endpoint, credentials, ...)
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.async_mode not in ASYNC_MODES:
@@ -137,7 +139,7 @@ class CheckpointManager:
         self.local_rank = local_rank  # rank within this node: 0 cleans the node's staging
         self.group = process_group
         self.fault_hook = fault_hook  # tests and demos inject crashes at named phases
-        self.remote = Store(options.dir)
+        self.remote = Store(options.dir, options.storage_options)
         staging = options.staging_dir
         if staging is None and not self.remote.is_local:
             staging = tempfile.mkdtemp(prefix="goodput-staging-")
@@ -154,6 +156,7 @@ class CheckpointManager:
         self.failed_saves = 0
         self._verified: set = set()  # (store url, step) whose checksums were verified
         self.last_save_seconds = 0.0  # how long the last save took to commit
+        self.failed_uploads = 0  # in a row, to an object store that is unreachable
         self._stager = WarmStager(share_memory=options.async_mode == "process")
 
     # ---- collectives (a dedicated group, so they never interleave with training's) ----
@@ -190,7 +193,7 @@ class CheckpointManager:
         for key, store in tiers:
             try:
                 store.check_writable()
-            except OSError as err:
+            except Exception as err:  # an object store's client has errors of its own
                 problem = (f"{key}={store.url} is not a writable directory ({one_line(err)}): "
                            f"point {key} at one this process can write")
                 break
@@ -250,26 +253,39 @@ class CheckpointManager:
         except BaseException as err:  # the upload and markers go to checkpoint.dir
             self._pending_error = (err, self.remote.url)
 
+    def _remote_dir(self, step: int) -> str:
+        """Where a save uploads: a partial directory to rename, or on an object store (no
+        rename) `step_X` itself, which only its markers, written last, make complete."""
+        if self.remote.renames:
+            return commit.partial_dir_name(step, self.attempt)
+        return commit.step_dir_name(step)
+
     def _commit(self, step: int, target: Path, start: float) -> None:
         """Upload this rank's files, write its marker; rank 0 renames once all are in."""
         self.fault_hook("written", step)
         partial = commit.partial_dir_name(step, self.attempt)
         records = self._written_records(target)
         mine = [target / name for name in sorted(records)]
-        remote_partial = self.remote.path(partial)
+        remote_dir = self._remote_dir(step)
         if self.staging:
-            self.remote.makedirs(remote_partial)
+            self.remote.makedirs(self.remote.path(remote_dir))
             for p in mine:
-                self.remote.put(p, self.remote.path(partial, p.name))
+                self.remote.put(p, self.remote.path(remote_dir, p.name))
                 self.fault_hook("uploading", step)
             commit.write_marker(self.local, partial, step, self.rank,
-                                self.world_size, records)
+                                self.world_size, records, self.attempt)
         self.fault_hook("uploaded", step)
-        commit.write_marker(self.remote, partial, step, self.rank, self.world_size, records)
+        commit.write_marker(self.remote, remote_dir, step, self.rank, self.world_size, records,
+                            self.attempt)
+        if self.failed_uploads:
+            log.info("checkpoint.dir %s is reachable again: step %d uploaded after %d failed "
+                     "upload(s)", self.remote.url, step, self.failed_uploads)
+            self.failed_uploads = 0
         if self.rank == 0:
-            self._wait_for_markers(partial, step)
+            self._wait_for_markers(remote_dir, step)
             self.fault_hook("committing", step)
-            self._rename_into_place(self.remote, partial, step)
+            if self.remote.renames:
+                self._rename_into_place(self.remote, partial, step)
             if self.local:
                 self._rename_into_place(self.local, partial, step)
             self._trust_what_was_written(step)
@@ -305,14 +321,33 @@ class CheckpointManager:
             records[name] = FileRecord(size, checksum, WRITE_ALGORITHM)
         return records
 
-    def _wait_for_markers(self, partial: str, step: int) -> None:
+    def _wait_for_markers(self, directory: str, step: int) -> None:
+        """Until every rank's marker of this attempt is in `directory`. On an object store
+        `step_X` may hold a dead attempt's markers: those of ranks past this world size are
+        removed (they would make it incomplete for good), the others wait to be replaced."""
         deadline = time.monotonic() + self.options.commit_timeout_s
-        while len(commit.markers_present(self.remote, partial)) < self.world_size:
+        ours: set = set()
+        while len(ours) < self.world_size:
+            for rank in set(commit.markers_present(self.remote, directory)) - ours:
+                if self.remote.renames:  # a partial directory is this attempt's own
+                    ours.add(rank)
+                elif rank >= self.world_size:
+                    self.remote.remove(self.remote.path(directory, commit.marker_name(rank)))
+                elif self._marker_is_ours(directory, rank):
+                    ours.add(rank)
+            if len(ours) == self.world_size:
+                return
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"checkpoint step {step}: not every rank committed within "
                     f"{self.options.commit_timeout_s:.0f}s; it stays partial and is ignored")
-            time.sleep(0.05)
+            time.sleep(0.05 if self.remote.is_local else 0.5)  # an object store bills LISTs
+
+    def _marker_is_ours(self, directory: str, rank: int) -> bool:
+        try:
+            return commit.marker_attempt(self.remote, directory, rank) == self.attempt
+        except (OSError, ValueError, AttributeError):  # gone, or not JSON: not ours
+            return False
 
     def _rename_into_place(self, store: Store, partial: str, step: int) -> None:
         final = commit.step_dir_name(step)
@@ -349,6 +384,11 @@ class CheckpointManager:
             return True
         self.failed_saves += 1
         error, where = failure
+        if where == self.remote.url and not self.remote.is_local:
+            self._discard(self._pending_step, uploading=True)
+            self.last_failure = one_line(error)
+            self._report_failed_upload(report)
+            return False
         full = _free_bytes(where) < max(self._checkpoint_bytes(), CHUNK)  # before _discard
         self._discard(self._pending_step)
         self.last_failure = self._describe(error, where, full)
@@ -358,17 +398,37 @@ class CheckpointManager:
                       self.last_complete_step if self.last_complete_step is not None else "none")
         return False
 
-    def _discard(self, step: int) -> None:
+    def _report_failed_upload(self, report: bool) -> None:
+        """An object store that fails (gone, unreachable, refusing) stops no training: one
+        warning when it starts failing; each next checkpoint tries the upload again."""
+        self.failed_uploads += 1
+        if report and self.failed_uploads == 1:
+            log.warning("checkpoint at step %d could not be uploaded to checkpoint.dir %s (%s): "
+                        "training goes on, and each next checkpoint tries the upload again "
+                        "(the newest complete one is %s)", self._pending_step, self.remote.url,
+                        self.last_failure,
+                        self.last_complete_step if self.last_complete_step is not None
+                        else "none")
+        elif report:
+            log.info("checkpoint at step %d could not be uploaded either (%s)",
+                     self._pending_step, self.last_failure)
+
+    def _discard(self, step: int, uploading: bool = False) -> None:
         """Remove a failed save's partial directory now: on a full disk it holds the room
-        the next save needs (retention would only clean it after a success)."""
-        partial = commit.partial_dir_name(step, self.attempt)
-        try:
-            if self.rank == 0:
-                self.remote.remove(self.remote.path(partial))
-            if self.local and self.local_rank == 0:
-                self.local.remove(self.local.path(partial))
-        except OSError:
-            pass
+        the next save needs (retention would only clean it after a success). On an object
+        store that is `step_X` itself, half-uploaded when the failure came `uploading`
+        (before, it may still hold a complete checkpoint of that step: a rollback's)."""
+        remote_dir = self._remote_dir(step)
+        if self.rank == 0 and (self.remote.renames or uploading):
+            try:
+                self.remote.remove(self.remote.path(remote_dir))
+            except Exception:  # the store that just failed may fail again, its own way
+                pass
+        if self.local and self.local_rank == 0:
+            try:
+                self.local.remove(self.local.path(commit.partial_dir_name(step, self.attempt)))
+            except OSError:
+                pass
 
     def _checkpoint_bytes(self) -> int:
         """About how big one checkpoint is: the newest committed one, else the failed save's
@@ -439,6 +499,8 @@ class CheckpointManager:
         for store in [self.remote] + ([self.local] if self.local else []):
             kept = 0
             for step in commit.committed_steps(store):
+                if step > newest and not store.renames:
+                    continue  # on an object store, another rank may be uploading it now
                 complete = self._verified_once(store, step)
                 if complete and step <= newest and kept < self.options.keep_last:
                     kept += 1
@@ -473,7 +535,8 @@ class CheckpointManager:
         source = self._load_source(step)
         local = source != self.remote.url_of(commit.step_dir_name(step))
         try:
-            dcp.load(state, storage_reader=safe_reader(source, local),
+            dcp.load(state, storage_reader=safe_reader(source, local,
+                                                       self.remote.storage_options),
                      planner=SafeLoadPlanner(allow_partial_load=partial), **self._dcp_kwargs())
         except CheckpointException as err:
             log.warning("checkpoint %s failed to load (%s): skipping it", source, one_line(err))

@@ -23,7 +23,7 @@ import io
 import math
 import pathlib
 import pickle
-from typing import Any, BinaryIO, Dict, List
+from typing import Any, BinaryIO, Dict, List, Mapping, Optional
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -265,8 +265,11 @@ class SafeFsspecReader(_SafeMetadata, _RawTensors, FsspecReader):
     """DCP's fsspec reader (s3://, gs://, ...), loading nothing that runs code."""
 
 
-def safe_reader(path: str, local: bool) -> FileSystemReader:
-    return SafeFileSystemReader(path) if local else SafeFsspecReader(path)
+def safe_reader(path: str, local: bool,
+                storage_options: Optional[Mapping[str, Any]] = None) -> FileSystemReader:
+    """`storage_options`: fsspec's, for a URL's filesystem."""
+    return SafeFileSystemReader(path) if local else SafeFsspecReader(path,
+                                                                      **(storage_options or {}))
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -2,6 +2,9 @@
 
 Local paths get the durability the commit protocol relies on: files are fsynced, small files
 are written by temp + rename, and a rename is followed by an fsync of the parent directory.
+An object store (any URL) has neither directories nor rename: `renames` is False there, and
+the commit protocol writes in place, markers last (`checkpointing.commit`). Its listings are
+never served from fsspec's cache, since other ranks and processes write there too.
 """
 
 from __future__ import annotations
@@ -9,10 +12,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import stat
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -39,10 +41,13 @@ class StoreUnavailable(ValueError):
 
 
 class Store:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+        """`storage_options`: fsspec's options for the URL's filesystem (an S3-compatible
+        endpoint, credentials, ...), as `fsspec.open` takes them."""
         self.url = str(url)
+        self.storage_options = dict(storage_options or {})
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         except (ValueError, ImportError) as err:
             raise StoreUnavailable(f"cannot open {self.url}: {str(err).splitlines()[0]} (a "
                                    f"URL needs its fsspec package, e.g. s3fs for s3://)") \
@@ -50,6 +55,9 @@ class Store:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = os.path.abspath(self.root)
+        # A directory renames in one step only on a file system; an object store "renames" a
+        # prefix by copying and deleting each object, which can fail halfway
+        self.renames = self.is_local
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
@@ -60,11 +68,15 @@ class Store:
         return path if self.is_local else self.fs.unstrip_protocol(path)
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        """A directory on a file system; nothing on an object store, whose prefixes need none
+        (and where s3fs would create a missing bucket, typo or not)."""
+        if self.is_local:
+            self.fs.makedirs(path, exist_ok=True)
 
     def listdir(self, path: str | None = None) -> List[str]:
         """Entry names (not paths) under `path` (default: the root); [] when it is missing."""
         path = path or self.root
+        self.fs.invalidate_cache(path)
         try:
             return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
         except FileNotFoundError:
@@ -80,6 +92,7 @@ class Store:
                 with os.scandir(path) as listing:
                     return {e.name: (e.is_file(follow_symlinks=False),
                                      e.stat(follow_symlinks=False).st_size) for e in listing}
+            self.fs.invalidate_cache(path)  # other processes' markers land meanwhile
             listing = _retrying(lambda: self.fs.ls(path, detail=True))
         except FileNotFoundError:
             return {}
@@ -88,13 +101,8 @@ class Store:
                 for i in listing}
 
     def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
         return self.fs.exists(path)
-
-    def is_regular_file(self, path: str) -> bool:
-        """A plain file, not a symlink (on a local path), device, FIFO or directory."""
-        if self.is_local:
-            return stat.S_ISREG(os.lstat(path).st_mode)
-        return self.fs.info(path).get("type") == "file"
 
     def size(self, path: str) -> int:
         return int(_retrying(lambda: self.fs.size(path)))
@@ -136,14 +144,20 @@ class Store:
             os.fsync(dst.fileno())
 
     def rename(self, src: str, dst: str) -> None:
-        if self.is_local:
-            os.rename(src, dst)
-            fsync_dir(os.path.dirname(dst))
-        else:
-            self.fs.mv(src, dst, recursive=True)
+        """Atomic, so only where `renames`: the commit protocol never asks an object store."""
+        assert self.renames, f"{self.url} cannot rename a directory"
+        os.rename(src, dst)
+        fsync_dir(os.path.dirname(dst))
 
     def remove(self, path: str) -> None:
         try:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+        if not self.is_local:
+            # The prefix's folder marker, the key `path/`: what consoles create as a folder,
+            # and what stores with folders (SeaweedFS) keep listing once they are empty
+            try:
+                self.fs.rm_file(path.rstrip("/") + "/")
+            except FileNotFoundError:
+                pass

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from data import synthetic
 from data.cache import NodeCache
@@ -37,7 +37,8 @@ def prepare_root(cfg: DictConfig) -> Volume:
     """The dataset's volume; the embedded shapes dataset is generated on first use."""
     if str(cfg.root) == str(cfg.synthetic.dir):
         generate_synthetic(cfg.synthetic)
-    volume = Volume(str(cfg.root), cfg.read_retries, cfg.retry_backoff_seconds)
+    volume = Volume(str(cfg.root), cfg.read_retries, cfg.retry_backoff_seconds,
+                    OmegaConf.to_container(cfg.storage_options, resolve=True))
     try:
         entries = volume.list_dir("")
     except MissingPathError:

@@ -7,13 +7,16 @@ holds. A bare `name@` stays on other schemes: there it is identity, not a secret
 container, an sftp user), and two of them must not look like one dataset. The value of any
 query parameter that carries a secret (pre-signed and SAS URLs: `X-Amz-Signature=`, `sig=`,
 `token=`, ...) is replaced. Safe ways to pass credentials are the storage's own environment
-variables or fsspec's configuration, which never appear in a URL.
+variables or fsspec's storage options (`data.storage_options`, `checkpoint.storage_options`),
+which never appear in a URL; `hide_storage_secrets` takes the options' secrets out of a record
+of the config.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 _SCHEME = r"\b[a-zA-Z][a-zA-Z0-9+.\-]*://"
 # Where another URL begins: a scheme after a space, quote, bracket, "=", "," or ";".
@@ -30,12 +33,28 @@ _SECRET_PARAM = re.compile(
     r"(?i)([?&;][\w.\-]*(?:sig|signature|token|secret|pass|pwd|key|credential|auth|sas|jwt)"
     r"[\w.\-]*=)[^&;\s#]*")
 REDACTED = "***"
+# fsspec option names that hold a secret: s3fs's key/secret/token, botocore's
+# aws_secret_access_key, adlfs's account_key and sas_token, a password, ...
+_SECRET_OPTION = re.compile(r"(?i)key|secret|token|pass|pwd|credential|auth|sig|sas|jwt")
 
 
 def strip_credentials(text: str) -> str:
     """`text` with every URL's secret user info removed and secret query values replaced."""
     text = _TOKEN.sub(r"\1", _PASSWORD.sub(r"\1", text))
     return _SECRET_PARAM.sub(rf"\g<1>{REDACTED}", text)
+
+
+def hide_storage_secrets(tree: Any, inside_options: bool = False) -> Any:
+    """A copy of a config tree (dicts and lists) in which every value that a `storage_options`
+    mapping holds under a secret's name (`key`, `secret`, `client_kwargs.aws_session_token`,
+    ...) is `REDACTED`; the other options (an `endpoint_url`, a region) stay readable."""
+    if isinstance(tree, dict):
+        return {k: (REDACTED if inside_options and _SECRET_OPTION.search(str(k)) else
+                    hide_storage_secrets(v, inside_options or k == "storage_options"))
+                for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [hide_storage_secrets(v, inside_options) for v in tree]
+    return tree
 
 
 class CredentialFilter(logging.Filter):

@@ -79,13 +79,15 @@ class Volume:
     url: str
     retries: int = 5
     backoff_seconds: float = 0.1
+    # fsspec's options for the URL's filesystem (an S3-compatible endpoint, credentials, ...)
+    storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
     _root: str = field(default="", init=False, repr=False, compare=False)
     _fs: Any = field(default=None, init=False, repr=False, compare=False)
     _pid: int = field(default=-1, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         try:
-            url, options = fsspec_target(self.url)
+            url, options = self._target()
             self._root = fsspec.core.url_to_fs(url, **options)[1].rstrip("/")
         except (ValueError, ImportError) as err:  # unknown protocol, or its package missing
             raise DatasetError(
@@ -93,18 +95,23 @@ class Volume:
                 f"{strip_credentials(str(err).splitlines()[0])} (a URL needs its fsspec "
                 f"package, e.g. s3fs for s3://)") from None
 
+    def _target(self) -> Tuple[str, Dict[str, Any]]:
+        url, options = fsspec_target(self.url)
+        return url, {**options, **self.storage_options}
+
     @property
     def fs(self) -> Any:
         """This process's filesystem. Forked DataLoader workers must not share the parent's:
         an async one (HTTP, S3) holds an event loop and sessions that belong to it."""
         if self._pid != os.getpid():
-            url, options = fsspec_target(self.url)
+            url, options = self._target()
             self._fs = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)[0]
             self._pid = os.getpid()
         return self._fs
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"url": self.url, "retries": self.retries, "backoff_seconds": self.backoff_seconds}
+        return {"url": self.url, "retries": self.retries, "backoff_seconds": self.backoff_seconds,
+                "storage_options": self.storage_options}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)

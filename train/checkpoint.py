@@ -37,7 +37,7 @@ IDENTITY_KEYS = ("model.name", "data.root", "optim.name")
 def training_config(cfg: DictConfig) -> Dict[str, str]:
     """The resolved config minus keys that do not change what is trained."""
     flat = flatten(OmegaConf.to_container(cfg, resolve=True))
-    ignored = list(cfg.run.exclude_keys) + ["checkpoint", "audit"]
+    ignored = list(cfg.run.exclude_keys) + ["checkpoint", "audit", "data.storage_options"]
     return {k: v for k, v in flat.items()
             if not any(k == p or k.startswith(p + ".") for p in ignored)}
 
@@ -50,7 +50,9 @@ def build_manager(cfg: DictConfig, world: World,
     try:
         options = CheckpointOptions(dir=ck.dir, staging_dir=ck.staging_dir,
                                     async_mode=ck.async_mode.value, keep_last=ck.keep_last,
-                                    commit_timeout_s=ck.commit_timeout_s)
+                                    commit_timeout_s=ck.commit_timeout_s,
+                                    storage_options=OmegaConf.to_container(
+                                        ck.storage_options, resolve=True))
         manager = CheckpointManager(options, world.rank, world.world_size,
                                     world.control_group,
                                     fault_hook=lambda phase, step: faults.at(

@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional, Sequence, get_type_hints
+from typing import Any, Dict, List, Optional, Sequence, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -307,6 +307,9 @@ class SyntheticConfig:
 @dataclass
 class DataConfig:
     root: str = place("${.synthetic.dir}")  # a folder (mounted volume) or an fsspec URL
+    # fsspec's options for a URL's filesystem, e.g. {endpoint_url: ..., key: ..., secret: ...}
+    # for an S3-compatible store; secrets among them never reach a log, name or record
+    storage_options: Dict[str, Any] = field(default_factory=dict)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # The node cache on local disk, shared by all ranks, workers and runs of a node (default
     # $XDG_CACHE_HOME/goodput-trainer or ~/.cache/goodput-trainer); null = none.
@@ -430,6 +433,8 @@ class CheckpointConfig:
     enabled: bool = True
     # The durable tier: a mounted path or an fsspec URL. Default: inside the run directory.
     dir: str = place("${run.root}/${run.name}/checkpoints")
+    # fsspec's options for `dir`, as data.storage_options for data.root
+    storage_options: Dict[str, Any] = field(default_factory=dict)
     # The fast local tier (NVMe): DCP writes here, a background upload copies to `dir`.
     # null = write straight to `dir` (right when `dir` is itself a local disk).
     staging_dir: Optional[str] = local_dir(None)
@@ -523,7 +528,8 @@ def _matches(key: str, prefixes: List[str]) -> bool:
 
 # Keys that say where a run's files go, not what it trains: never part of a run's name, not
 # even in a sweep (a path would nest inside the name, and may carry credentials).
-LOCATION_KEYS = ["hydra", "run", "checkpoint.dir", "checkpoint.staging_dir", "data.cache_dir",
+LOCATION_KEYS = ["hydra", "run", "checkpoint.dir", "checkpoint.staging_dir",
+                 "checkpoint.storage_options", "data.cache_dir", "data.storage_options",
                  "audit.ledger", "logger.tracking_uri"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # a name stays one portable, shell-safe word

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.distributed import broadcast_object
-from data.redact import strip_credentials
+from data.redact import hide_storage_secrets, strip_credentials
 from train.config import LoggerConfig, LoggerName
 from train.distributed import World
 from train.errors import ConfigError
@@ -62,7 +62,8 @@ def param_text(value: Any) -> str:
 def mlflow_params(config: DictConfig) -> Dict[str, str]:
     """The resolved config as MLflow params: enums by value, nulls as 'null'. (A
     checkpoint's record of its config keeps `flatten`'s plain spelling: resumes compare it.)"""
-    return flatten(OmegaConf.to_container(config, resolve=True), text=param_text)
+    return flatten(hide_storage_secrets(OmegaConf.to_container(config, resolve=True)),
+                   text=param_text)
 
 
 def parameter_counts(model: torch.nn.Module) -> Dict[str, str]:
@@ -267,8 +268,8 @@ class MLflowTracker:
             items = sorted(params.items())
             for i in range(0, len(items), MAX_PARAMS_PER_CALL):
                 mlflow.log_params(dict(items[i:i + MAX_PARAMS_PER_CALL]))
-            mlflow.log_text(strip_credentials(OmegaConf.to_yaml(config, resolve=True)),
-                            "config.yaml")
+            shown = hide_storage_secrets(OmegaConf.to_container(config, resolve=True))
+            mlflow.log_text(strip_credentials(OmegaConf.to_yaml(shown)), "config.yaml")
         return active.info.run_id
 
     def link(self, run_id: str) -> str:
