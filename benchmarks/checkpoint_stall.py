@@ -47,18 +47,27 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import torchvision
 import xxhash
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from train.distributed import init_world, shutdown_world
 from train.state import ModelState, OptimizerState
 
-MODES = {"b": "off", "c": "thread", "d": "process"}
+# (checkpoint.async_mode, checkpoint.format) of each CheckpointManager row
+MODES = {"b": ("off", "dcp"), "c": ("thread", "dcp"), "d": ("process", "dcp"),
+         "f": ("off", "raw")}
 LABELS = {"a": "torch.save, full state", "a'": "torch.save + fsync", "b": "DCP synchronous",
           "c": "DCP async, thread", "d": "DCP async, process",
+          "f": "DCP synchronous, format=raw",
           "e": "limit: copy_ into warm memory", "e'": "copy into fresh memory"}
+LOAD_LABELS = {"r": "torch.load + load_state_dict",
+               "s": "resume read (verified), dcp",
+               "s'": "resume read (verified), raw",
+               "t": "stock dcp.load (unverified)"}
 TRAIN_BATCH = 128  # the default experiment's
 
 
@@ -93,6 +102,38 @@ def torch_save(obj: Any, path: Path, durable: bool) -> None:
         if durable:
             f.flush()
             os.fsync(f.fileno())
+
+
+def torch_load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The plain way back: one file into the live model and optimizer."""
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+
+
+# The saves whose checkpoint is read back, and the row that times it
+LOADED = {"b": "s", "f": "s'"}
+
+
+def resume(manager: CheckpointManager, state: Dict[str, Any], step: int) -> None:
+    """What a resume reads: the newest checkpoint, verified (checksums, `.metadata` through
+    the restricted unpickler), loaded into the live model and optimizer by a new manager."""
+    options = manager.options
+    fresh = CheckpointManager(options, manager.rank, manager.world_size, manager.group)
+    loaded = fresh.load_latest(state)
+    if loaded is None or loaded.step != step:
+        raise RuntimeError(f"resuming from {options.dir} found {loaded}, not step {step}")
+
+
+def stock_load(directory: Path, step: int, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer) -> None:
+    """DCP's stock reader and planner, as a user without this project would load it (no
+    checksums, and `.metadata` unpickled by plain pickle)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(directory / f"step_{step:09d}"), no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -185,11 +226,10 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
     # Retention never deletes during a timed save (keep_last above the saves made): deleting
     # an older checkpoint is not part of committing this one, and (a') deletes nothing. The
     # old checkpoints are removed between saves, untimed.
-    managers = {key: CheckpointManager(CheckpointOptions(dir=str(work / mode), async_mode=mode,
-                                                         keep_last=1000),
-                                       world.rank, world.world_size, world.control_group)
-                for key, mode in MODES.items()}
-    samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in LABELS}
+    managers = {key: CheckpointManager(
+        CheckpointOptions(dir=str(work / key), async_mode=mode, keep_last=1000, format=fmt),
+        world.rank, world.world_size, world.control_group) for key, (mode, fmt) in MODES.items()}
+    samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in {**LABELS, **LOAD_LABELS}}
     step = 0
     for round_ in range(repeats + 1):  # round 0 warms up (process start, page cache)
         full = work / "torch_save.pt"
@@ -204,13 +244,19 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
             reported = manager.save(step, state)
             blocked = time.perf_counter() - start
             if not manager.wait():
-                raise RuntimeError(f"the {MODES[key]} save failed: see the log above")
+                raise RuntimeError(f"the {LABELS[key]} save failed: see the log above")
             total, cpu = time.perf_counter() - start, time.process_time() - cpu
-            remove_checkpoints(work / MODES[key])
+            if key in LOADED:
+                results[LOADED[key]] = timed_with_cpu(lambda: resume(manager, state, step))
+            if key == "b":
+                results["t"] = timed_with_cpu(lambda: stock_load(work / key, step, model,
+                                                                 optimizer))
+            remove_checkpoints(work / key)
             again, again_reported = save_back_to_back(manager, step + 1, state)
-            remove_checkpoints(work / MODES[key])
+            remove_checkpoints(work / key)
             results[key] = {"blocked": blocked, "total": total, "cpu": cpu, "stall": reported,
                             "back_to_back": again, "back_to_back_stall": again_reported}
+        results["r"] = timed_with_cpu(lambda: torch_load(full, model, optimizer))
         full.unlink()
         if round_:
             for key, values in results.items():
@@ -371,6 +417,14 @@ def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
         + ";  CPU seconds: " + "  ".join(
         f"({x}) = {stalls[x]['cpu'] / durable_cpu:.2f}" for x in MODES)
         + "  (the CPU of DCP's process is not counted in (d))")
+    base = stalls["r"]
+    print(f"\nresume read of the same state into the live model and optimizer (a fresh "
+          f"checkpoint, in the page cache):\n{'':36} {'wall (s)':>8} {'CPU (s)':>7} "
+          f"{'/ (r) wall':>10} {'/ (r) CPU':>9}")
+    for key, label in LOAD_LABELS.items():
+        row = stalls[key]
+        print(f"{'(' + key + ')':5} {label:30} {row['blocked']:8.3f} {row['cpu']:7.3f} "
+              f"{row['blocked'] / base['blocked']:10.2f} {row['cpu'] / base['cpu']:9.2f}")
     print("\nchecksums over the state's bytes, GB/s (median of interleaved rounds): "
           + "  ".join(f"{name} {rate:.2f} ({rate / checksums['sha256']:.1f}x sha256)"
                       for name, rate in checksums.items()))
@@ -414,7 +468,7 @@ def main() -> None:
     parser.add_argument("--train-modes", nargs="+", default=["thread", "process"],
                         choices=["thread", "process"],
                         help="checkpoint.async_mode of the training runs")
-    parser.add_argument("--profile", choices=sorted(MODES.values()),
+    parser.add_argument("--profile", choices=sorted({mode for mode, _ in MODES.values()}),
                         help="only profile saves in this checkpoint.async_mode")
     parser.add_argument("--ranks-worker", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
