@@ -395,13 +395,12 @@ def _tensor_pickle(dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[bytes
     """The `data.pkl` that `torch.save` writes for a contiguous `dtype` tensor of `shape`
     that is all of its storage (what `checkpointing.writer` stores); None for a dtype no
     plain tensor has. The tensor is allocated, never filled or written."""
+    buffer = io.BytesIO()
     try:
-        tensor = torch.empty(shape, dtype=dtype)
+        with torch.serialization.skip_data():
+            torch.save(torch.empty(shape, dtype=dtype), buffer)
     except (RuntimeError, TypeError):  # quantized and bit-packed dtypes
         return None
-    buffer = io.BytesIO()
-    with torch.serialization.skip_data():
-        torch.save(tensor, buffer)
     with zipfile.ZipFile(buffer) as archive:
         return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
 

@@ -46,7 +46,8 @@ def build_manager(cfg: DictConfig, world: World,
     try:
         options = CheckpointOptions(dir=ck.dir, staging_dir=ck.staging_dir,
                                     async_mode=ck.async_mode.value, keep_last=ck.keep_last,
-                                    commit_timeout_s=ck.commit_timeout_s)
+                                    commit_timeout_s=ck.commit_timeout_s,
+                                    format=ck.format.value)
         manager = CheckpointManager(options, world.rank, world.world_size,
                                     world.control_group,
                                     fault_hook=lambda phase, step: faults.at(
