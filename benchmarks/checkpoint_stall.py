@@ -10,14 +10,21 @@ One run measures, interleaved (a warm-up round, then the median of `--repeats` r
   (b) synchronous DCP         (CheckpointManager, checkpoint.async_mode=off)
   (c) async DCP, thread       (checkpoint.async_mode=thread)
   (d) async DCP, process      (checkpoint.async_mode=process)
+  (f) synchronous DCP in checkpoint.format=raw (the others: the default, DCP's standard
+      format)
   (e) the limit: one `copy_` of every tensor into preallocated (warm) buffers;
       (e') the same into fresh memory (`clone()`), page faults included
 
-as the time the caller is blocked, and for (b)-(d) the total time until the checkpoint is
-committed (written, checksummed, fsynced, marked, renamed). "Back to back" is the blocked
+as the time the caller is blocked, and for (b)-(d), (f) the total time until the checkpoint
+is committed (written, checksummed, fsynced, marked, renamed). "Back to back" is the blocked
 time of a save issued right after another one (it waits for the first to commit), and
 "stall" what `CheckpointManager.save` itself reports (the loop's
-`checkpoint/stall_seconds`). Then the marker checksums' throughput on the same bytes
+`checkpoint/stall_seconds`). In the same rounds, the resume read of the same state into the
+live model and optimizer: (r) `torch.load` of (a)'s file + `load_state_dict`; (s) what a
+resume does with the checkpoint (b) just wrote, verified (checksums, `.metadata` through the
+restricted unpickler) and loaded by a new CheckpointManager, (s') the same for (f)'s; and (t)
+DCP's stock `dcp.load` of (b)'s with the default reader and planner (unverified). Then the
+marker checksums' throughput on the same bytes
 (sha256, CRC32C, XXH3-64), the total save time at 1 vs 2 ranks (`torchrun --standalone`,
 gloo, each rank holding a replica; DCP de-duplicates replicated tensors, so each rank
 writes about half), and the training overhead of checkpointing the default experiment every
