@@ -6,8 +6,10 @@ resume. Here `.metadata` goes through an unpickler that admits an exact list of 
 name) pairs, DCP's own metadata types and a few torch values, and never imports anything
 (no dotted names, no import helpers, no persistent ids); non-tensor items go through
 `torch.load(weights_only=True)` (plain data only: numbers, strings, lists, dicts, tuples,
-tensors). Tensors already load with `weights_only=True`. A file refused here makes its
-checkpoint incomplete: resume uses an older one, `verify` reports it, `export` refuses it.
+tensors). A tensor's bytes are read straight into the live tensor where its record is
+plainly its bytes (`_DirectTensors`); any other tensor record loads with
+`weights_only=True`, as in DCP. A file refused here makes its checkpoint incomplete: resume
+uses an older one, `verify` reports it, `export` refuses it.
 
 An allowed name is still a live object of this process: pickle's BUILD opcode sets
 attributes on whatever is on its stack, a class or a shared value (a dtype, an enum member)
@@ -163,7 +165,8 @@ def load_metadata(stream: BinaryIO, reuse: bool = False) -> Metadata:
 
     `reuse`: when these bytes are those parsed last with `reuse`, that same object (for
     callers that do not change it): a resume verifies a checkpoint, then loads it, and the
-    restricted unpickler is slow (0.03 s for ResNet-50's, seconds for a large sharded model's).
+    restricted unpickler is slow (0.03 s for ResNet-50 + AdamW on an idle core, seconds for a
+    large sharded model).
     """
     global _last_parsed
     data = stream.read(MAX_METADATA_BYTES + 1)

@@ -491,3 +491,19 @@ def test_odd_tensors_round_trip_bit_exact(tmp_path, kind, mode, format):
     for k, v in tensors.items():
         assert torch.equal(_bits(loaded[k]), _bits(v)), k
         assert format != "dcp" or torch.equal(_bits(stock[k]), _bits(v)), k
+
+
+def test_dcp_s_own_writer_s_strided_records_load_bit_exact(tmp_path, monkeypatch):
+    """DCP's own writer archives a tensor's storage as it lies (channels_last, transposed):
+    our reader must not take those bytes for C order, but load them as DCP does."""
+    tensors = {**ODD_TENSORS["channels_last"](), "tt": torch.randn(4, 6).t(),
+               **{f"q{k}": v for k, v in ODD_TENSORS["quantized"]().items()}}
+    monkeypatch.setattr(Writer, "write_data", FileSystemWriter.write_data)
+    mgr = manager(tmp_path / "ckpt", async_mode="off")
+    mgr.save(1, {"s": dict(tensors)})
+    mgr.close()
+    monkeypatch.undo()
+    loaded = {k: _like(v) for k, v in tensors.items()}
+    assert manager(tmp_path / "ckpt").load_latest({"s": loaded}).step == 1
+    for k, v in tensors.items():
+        assert torch.equal(_bits(loaded[k]), _bits(v)), k
