@@ -253,17 +253,11 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
             if not manager.wait():
                 raise RuntimeError(f"the {LABELS[key]} save failed: see the log above")
             total, cpu = time.perf_counter() - start, time.process_time() - cpu
-            if key in LOADED:
-                results[LOADED[key]] = timed_with_cpu(lambda: resume(manager, state, step))
-            if key == "b":
-                results["t"] = timed_with_cpu(lambda: stock_load(work / key, step, model,
-                                                                 optimizer))
             remove_checkpoints(work / key)
             again, again_reported = save_back_to_back(manager, step + 1, state)
             remove_checkpoints(work / key)
             results[key] = {"blocked": blocked, "total": total, "cpu": cpu, "stall": reported,
                             "back_to_back": again, "back_to_back_stall": again_reported}
-        results["r"] = timed_with_cpu(lambda: torch_load(full, model, optimizer))
         full.unlink()
         if round_:
             for key, values in results.items():
@@ -271,6 +265,32 @@ def measure_stalls(work: Path, repeats: int) -> Tuple[Dict[str, Dict[str, float]
                     samples[key].setdefault(kind, []).append(value)
         print(f"  round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
             f"({k}) {results[k]['blocked']:.3f}s" for k in LABELS), flush=True)
+    # The reads in rounds of their own: a load replaces live tensors (the optimizer's state),
+    # which makes the next save check its state-dict shortcut again (train/state.py).
+    for round_ in range(repeats + 1):
+        torch_save({"model": model.state_dict(), "optim": optimizer.state_dict()}, full,
+                   durable=True)
+        saved = {}
+        for key in LOADED:
+            step += 1
+            managers[key].save(step, state)
+            if not managers[key].wait():
+                raise RuntimeError(f"the {LABELS[key]} save failed: see the log above")
+            saved[key] = step
+        results = {"r": timed_with_cpu(lambda: torch_load(full, model, optimizer))}
+        for key, label in LOADED.items():
+            results[label] = timed_with_cpu(lambda: resume(managers[key], state, saved[key]))
+        results["t"] = timed_with_cpu(lambda: stock_load(work / "b", saved["b"], model,
+                                                         optimizer))
+        for key in LOADED:
+            remove_checkpoints(work / key)
+        full.unlink()
+        if round_:
+            for key, values in results.items():
+                for kind, value in values.items():
+                    samples[key].setdefault(kind, []).append(value)
+        print(f"  read round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
+            f"({k}) {results[k]['blocked']:.3f}s" for k in LOAD_LABELS), flush=True)
     shutdown_world()
     return {k: {kind: statistics.median(v) for kind, v in s.items()}
             for k, s in samples.items()}, state_mb

@@ -342,10 +342,14 @@ def _archived_bytes(stream: BinaryIO, info: _StorageInfo, dtype: torch.dtype,
     out, torch.load does not check them, and every file's checksum is verified before a
     load.)"""
     stream.seek(info.offset)
-    head = stream.read(min(info.length, _HEAD))
-    tail_at = max(info.length - _HEAD, 0)
-    stream.seek(info.offset + tail_at)
-    tail = stream.read(info.length - tail_at)
+    if info.length <= 2 * _HEAD:  # most records (biases, norms, step counts): one read
+        head = tail = stream.read(info.length)
+        tail_at = 0
+    else:
+        head = stream.read(_HEAD)
+        tail_at = info.length - _HEAD
+        stream.seek(info.offset + tail_at)
+        tail = stream.read(_HEAD)
     if len(tail) < _END.size:
         return None
     signature, count, size, offset = _END.unpack_from(tail, len(tail) - _END.size)
@@ -376,11 +380,14 @@ def _archived_bytes(stream: BinaryIO, info: _StorageInfo, dtype: torch.dtype,
                 or head[begin:begin + length] != expected):
             return None
     local, length = spans[b"data/0"]
-    stream.seek(info.offset + local)
-    begin = _entry_start(stream.read(_LOCAL.size), 0)
-    if begin is None or local + begin + length > info.length:
+    begin = _entry_start(head, local)  # its header follows the small records: in the head
+    if begin is None:
+        stream.seek(info.offset + local)
+        begin = _entry_start(stream.read(_LOCAL.size), 0)
+        begin = None if begin is None else local + begin
+    if begin is None or begin + length > info.length:
         return None
-    return info.offset + local + begin, length
+    return info.offset + begin, length
 
 
 def _entry_start(data: bytes, local: int) -> Optional[int]:

@@ -115,7 +115,7 @@ def _write_item(stream: Any, name: str, item: WriteItem, data: Any, raw: bool) -
         # scale and zero point: `torch.save` keeps what they need.
         torch.save(data.detach().to("cpu"), stream)
     else:
-        tensor = standalone(data)
+        tensor = _standalone(data)
         if raw:
             stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
             descriptors = (RAW,)
@@ -126,7 +126,7 @@ def _write_item(stream: Any, name: str, item: WriteItem, data: Any, raw: bool) -
                        storage_data=_StorageInfo(name, offset, length, descriptors))
 
 
-def standalone(tensor: torch.Tensor) -> torch.Tensor:
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`'s values as a plain contiguous CPU tensor that is all of its storage:
     `torch.save` writes a view's whole storage, and a reader that takes the stored bytes
     as the tensor's (`checkpointing.safe_load`) needs exactly them, in C order."""
