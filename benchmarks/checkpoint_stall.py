@@ -10,14 +10,21 @@ One run measures, interleaved (a warm-up round, then the median of `--repeats` r
   (b) synchronous DCP         (CheckpointManager, checkpoint.async_mode=off)
   (c) async DCP, thread       (checkpoint.async_mode=thread)
   (d) async DCP, process      (checkpoint.async_mode=process)
+  (f) synchronous DCP in checkpoint.format=raw (the others: the default, DCP's standard
+      format)
   (e) the limit: one `copy_` of every tensor into preallocated (warm) buffers;
       (e') the same into fresh memory (`clone()`), page faults included
 
-as the time the caller is blocked, and for (b)-(d) the total time until the checkpoint is
-committed (written, checksummed, fsynced, marked, renamed). "Back to back" is the blocked
+as the time the caller is blocked, and for (b)-(d), (f) the total time until the checkpoint
+is committed (written, checksummed, fsynced, marked, renamed). "Back to back" is the blocked
 time of a save issued right after another one (it waits for the first to commit), and
 "stall" what `CheckpointManager.save` itself reports (the loop's
-`checkpoint/stall_seconds`). Then the marker checksums' throughput on the same bytes
+`checkpoint/stall_seconds`). In the same rounds, the resume read of the same state into the
+live model and optimizer: (r) `torch.load` of (a)'s file + `load_state_dict`; (s) what a
+resume does with the checkpoint (b) just wrote, verified (checksums, `.metadata` through the
+restricted unpickler) and loaded by a new CheckpointManager, (s') the same for (f)'s; and (t)
+DCP's stock `dcp.load` of (b)'s with the default reader and planner (unverified). Then the
+marker checksums' throughput on the same bytes
 (sha256, CRC32C, XXH3-64), the total save time at 1 vs 2 ranks (`torchrun --standalone`,
 gloo, each rank holding a replica; DCP de-duplicates replicated tensors, so each rank
 writes about half), and the training overhead of checkpointing the default experiment every
@@ -47,18 +54,27 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import torchvision
 import xxhash
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from train.distributed import init_world, shutdown_world
 from train.state import ModelState, OptimizerState
 
-MODES = {"b": "off", "c": "thread", "d": "process"}
+# (checkpoint.async_mode, checkpoint.format) of each CheckpointManager row
+MODES = {"b": ("off", "dcp"), "c": ("thread", "dcp"), "d": ("process", "dcp"),
+         "f": ("off", "raw")}
 LABELS = {"a": "torch.save, full state", "a'": "torch.save + fsync", "b": "DCP synchronous",
           "c": "DCP async, thread", "d": "DCP async, process",
+          "f": "DCP synchronous, format=raw",
           "e": "limit: copy_ into warm memory", "e'": "copy into fresh memory"}
+LOAD_LABELS = {"r": "torch.load + load_state_dict",
+               "s": "resume read (verified), dcp",
+               "s'": "resume read (verified), raw",
+               "t": "stock dcp.load (unverified)"}
 TRAIN_BATCH = 128  # the default experiment's
 
 
@@ -95,6 +111,38 @@ def torch_save(obj: Any, path: Path, durable: bool) -> None:
         if durable:
             f.flush()
             os.fsync(f.fileno())
+
+
+def torch_load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The plain way back: one file into the live model and optimizer."""
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+
+
+# The saves whose checkpoint is read back, and the row that times it
+LOADED = {"b": "s", "f": "s'"}
+
+
+def resume(manager: CheckpointManager, state: Dict[str, Any], step: int) -> None:
+    """What a resume reads: the newest checkpoint, verified (checksums, `.metadata` through
+    the restricted unpickler), loaded into the live model and optimizer by a new manager."""
+    options = manager.options
+    fresh = CheckpointManager(options, manager.rank, manager.world_size, manager.group)
+    loaded = fresh.load_latest(state)
+    if loaded is None or loaded.step != step:
+        raise RuntimeError(f"resuming from {options.dir} found {loaded}, not step {step}")
+
+
+def stock_load(directory: Path, step: int, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer) -> None:
+    """DCP's stock reader and planner, as a user without this project would load it (no
+    checksums, and `.metadata` unpickled by plain pickle)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(directory / f"step_{step:09d}"), no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -175,7 +223,8 @@ def remove_checkpoints(directory: Path) -> None:
 
 
 def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
-                   modes: Dict[str, str] = MODES) -> Tuple[Dict[str, Dict[str, float]], float]:
+                   modes: Dict[str, Tuple[str, str]] = MODES
+                   ) -> Tuple[Dict[str, Dict[str, float]], float]:
     """{label: {"blocked": s, "total": s, ...}} medians over `repeats` interleaved rounds,
     and the state's size in MB; DCP saves in `modes` (a subset of MODES)."""
     world = init_world(torch.device("cpu"))  # a 1-rank gloo group: async_mode=process needs one
@@ -188,12 +237,13 @@ def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
     # Retention never deletes during a timed save (keep_last above the saves made): deleting
     # an older checkpoint is not part of committing this one, and (a') deletes nothing. The
     # old checkpoints are removed between saves, untimed.
-    managers = {key: CheckpointManager(CheckpointOptions(dir=str(work / mode), async_mode=mode,
-                                                         keep_last=1000),
-                                       world.rank, world.world_size, world.control_group)
-                for key, mode in modes.items()}
-    samples: Dict[str, Dict[str, List[float]]] = {k: {} for k in LABELS
-                                                  if k not in MODES or k in modes}
+    managers = {key: CheckpointManager(
+        CheckpointOptions(dir=str(work / key), async_mode=mode, keep_last=1000, format=fmt),
+        world.rank, world.world_size, world.control_group) for key, (mode, fmt) in modes.items()}
+    loaded = {key: label for key, label in LOADED.items() if key in modes}
+    samples: Dict[str, Dict[str, List[float]]] = {
+        k: {} for k in {**LABELS, **LOAD_LABELS}
+        if (k in LABELS and (k not in MODES or k in modes)) or (loaded and k in LOAD_LABELS)}
     step = 0
     for round_ in range(repeats + 1):  # round 0 warms up (process start, page cache)
         full = work / "torch_save.pt"
@@ -208,11 +258,11 @@ def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
             reported = manager.save(step, state)
             blocked = time.perf_counter() - start
             if not manager.wait():
-                raise RuntimeError(f"the {MODES[key]} save failed: see the log above")
+                raise RuntimeError(f"the {LABELS[key]} save failed: see the log above")
             total, cpu = time.perf_counter() - start, time.process_time() - cpu
-            remove_checkpoints(work / MODES[key])
+            remove_checkpoints(work / key)
             again, again_reported = save_back_to_back(manager, step + 1, state)
-            remove_checkpoints(work / MODES[key])
+            remove_checkpoints(work / key)
             results[key] = {"blocked": blocked, "total": total, "cpu": cpu, "stall": reported,
                             "back_to_back": again, "back_to_back_stall": again_reported}
         full.unlink()
@@ -221,7 +271,35 @@ def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
                 for kind, value in values.items():
                     samples[key].setdefault(kind, []).append(value)
         print(f"  round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
-            f"({k}) {results[k]['blocked']:.3f}s" for k in samples), flush=True)
+            f"({k}) {results[k]['blocked']:.3f}s" for k in LABELS if k in results), flush=True)
+    # The reads in rounds of their own: a load replaces live tensors (the optimizer's state),
+    # which makes the next save check its state-dict shortcut again (train/state.py).
+    for round_ in range(repeats + 1 if loaded else 0):
+        torch_save({"model": model.state_dict(), "optim": optimizer.state_dict()}, full,
+                   durable=True)
+        saved = {}
+        for key in loaded:
+            step += 1
+            managers[key].save(step, state)
+            if not managers[key].wait():
+                raise RuntimeError(f"the {LABELS[key]} save failed: see the log above")
+            saved[key] = step
+        results = {"r": timed_with_cpu(lambda: torch_load(full, model, optimizer))}
+        for key, label in loaded.items():
+            results[label] = timed_with_cpu(lambda: resume(managers[key], state, saved[key]))
+        if "b" in loaded:
+            results["t"] = timed_with_cpu(lambda: stock_load(work / "b", saved["b"], model,
+                                                             optimizer))
+        for key in loaded:
+            remove_checkpoints(work / key)
+        full.unlink()
+        if round_:
+            for key, values in results.items():
+                for kind, value in values.items():
+                    samples[key].setdefault(kind, []).append(value)
+        print(f"  read round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
+            f"({k}) {results[k]['blocked']:.3f}s" for k in LOAD_LABELS if k in results),
+            flush=True)
     shutdown_world()
     return {k: {kind: statistics.median(v) for kind, v in s.items()}
             for k, s in samples.items()}, state_mb
@@ -383,6 +461,14 @@ def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
         + ";  CPU seconds: " + "  ".join(
         f"({x}) = {stalls[x]['cpu'] / durable_cpu:.2f}" for x in MODES)
         + "  (the CPU of DCP's process is not counted in (d))")
+    base = stalls["r"]
+    print(f"\nresume read of the same state into the live model and optimizer (a fresh "
+          f"checkpoint, in the page cache):\n{'':36} {'wall (s)':>8} {'CPU (s)':>7} "
+          f"{'/ (r) wall':>10} {'/ (r) CPU':>9}")
+    for key, label in LOAD_LABELS.items():
+        row = stalls[key]
+        print(f"{'(' + key + ')':5} {label:30} {row['blocked']:8.3f} {row['cpu']:7.3f} "
+              f"{row['blocked'] / base['blocked']:10.2f} {row['cpu'] / base['cpu']:9.2f}")
     print("\nchecksums over the state's bytes, GB/s (median of interleaved rounds): "
           + "  ".join(f"{name} {rate:.2f} ({rate / checksums['sha256']:.1f}x sha256)"
                       for name, rate in checksums.items()))
@@ -426,7 +512,7 @@ def main() -> None:
     parser.add_argument("--train-modes", nargs="+", default=["thread", "process"],
                         choices=["thread", "process"],
                         help="checkpoint.async_mode of the training runs")
-    parser.add_argument("--profile", choices=sorted(MODES.values()),
+    parser.add_argument("--profile", choices=sorted({mode for mode, _ in MODES.values()}),
                         help="only profile saves in this checkpoint.async_mode")
     parser.add_argument("--ranks-worker", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()

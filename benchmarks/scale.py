@@ -510,7 +510,7 @@ def state_costs(work: Path, model: str) -> Dict[str, float]:
 
     out = work / f"state-{model}"
     out.mkdir(parents=True, exist_ok=True)
-    stalls, mb = measure_stalls(out, 1, model, {"c": "thread"})
+    stalls, mb = measure_stalls(out, 1, model, {"c": ("thread", "dcp")})
     shutil.rmtree(out)
     return {"state MB": mb, "until committed s": stalls["c"]["total"],
             "blocked s": stalls["c"]["blocked"], "torch.save+fsync s": stalls["a'"]["blocked"],

@@ -157,7 +157,7 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
         return world_size, listed
     try:
         with store.fs.open(store.path(directory, METADATA_FILE), "rb") as f:
-            metadata = load_metadata(f)
+            metadata = load_metadata(f, reuse=True)  # the load that follows reads it
     except UnsafeCheckpointError as err:
         raise Incomplete(f"{METADATA_FILE} is unsafe: {err}") from None
     except Exception as err:  # any unpickling failure means the file is damaged

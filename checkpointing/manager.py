@@ -44,6 +44,7 @@ from common.files import CHUNK
 log = logging.getLogger(__name__)
 
 ASYNC_MODES = ("off", "thread", "process")
+FORMATS = ("dcp", "raw")  # checkpointing.writer: DCP's standard format, or bare tensor bytes
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -80,8 +81,12 @@ class CheckpointOptions:
     commit_timeout_s: float = 600.0
     # fsspec's options for `dir` (an S3-compatible endpoint, credentials, ...)
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    format: str = "dcp"
 
     def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"checkpoint.format={self.format!r}: use one of "
+                             f"{', '.join(FORMATS)}")
         if self.async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode={self.async_mode!r}: use one of "
                              f"{', '.join(ASYNC_MODES)}")
@@ -214,7 +219,7 @@ class CheckpointManager:
         partial = commit.partial_dir_name(step, self.attempt)
         target = (self.staging / partial) if self.staging else Path(self.remote.path(partial))
         target.mkdir(parents=True, exist_ok=True)
-        writer = Writer(str(target), self.rank)
+        writer = Writer(str(target), self.rank, raw=self.options.format == "raw")
         planner = DefaultSavePlanner()
         self._pending_step, self._pending_planner = step, planner
         if self.options.async_mode == "off":

@@ -6,8 +6,10 @@ resume. Here `.metadata` goes through an unpickler that admits an exact list of 
 name) pairs, DCP's own metadata types and a few torch values, and never imports anything
 (no dotted names, no import helpers, no persistent ids); non-tensor items go through
 `torch.load(weights_only=True)` (plain data only: numbers, strings, lists, dicts, tuples,
-tensors). Tensors already load with `weights_only=True`. A file refused here makes its
-checkpoint incomplete: resume uses an older one, `verify` reports it, `export` refuses it.
+tensors). A tensor's bytes are read straight into the live tensor where its record is
+plainly its bytes (`_DirectTensors`); any other tensor record loads with
+`weights_only=True`, as in DCP. A file refused here makes its checkpoint incomplete: resume
+uses an older one, `verify` reports it, `export` refuses it.
 
 An allowed name is still a live object of this process: pickle's BUILD opcode sets
 attributes on whatever is on its stack, a class or a shared value (a dtype, an enum member)
@@ -19,11 +21,15 @@ hands out ready-made) and only with the state that record's own pickling produce
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 import pathlib
 import pickle
-from typing import Any, BinaryIO, Dict, List, Mapping, Optional
+import struct
+import sys
+import zipfile
+from typing import Any, BinaryIO, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -152,17 +158,32 @@ def _check_structure(metadata: Any) -> None:
         raise UnsafeCheckpointError(f"{METADATA_FILE}: malformed storage_data")
 
 
-def load_metadata(stream: BinaryIO) -> Metadata:
+def load_metadata(stream: BinaryIO, reuse: bool = False) -> Metadata:
     """DCP `Metadata` from `stream`, or `UnsafeCheckpointError` when the file refers to
     anything else, is shaped unlike it or is too big; a damaged file raises whatever the
-    unpickler raises. Nothing the file names is imported or called but `_ALLOWED`."""
+    unpickler raises. Nothing the file names is imported or called but `_ALLOWED`.
+
+    `reuse`: when these bytes are those parsed last with `reuse`, that same object (for
+    callers that do not change it): a resume verifies a checkpoint, then loads it, and the
+    restricted unpickler is slow (0.03 s for ResNet-50 + AdamW on an idle core, seconds for a
+    large sharded model).
+    """
+    global _last_parsed
     data = stream.read(MAX_METADATA_BYTES + 1)
     if len(data) > MAX_METADATA_BYTES:
         raise UnsafeCheckpointError(f"{METADATA_FILE} is over {MAX_METADATA_BYTES >> 20} MB: "
                                     f"not DCP metadata")
+    last = _last_parsed
+    if reuse and last is not None and last[0] == data:
+        return last[1]
     metadata = MetadataUnpickler(io.BytesIO(data)).load()
     _check_structure(metadata)
+    if reuse:
+        _last_parsed = (data, metadata)
     return metadata
+
+
+_last_parsed: Optional[Tuple[bytes, Metadata]] = None
 
 
 class _SafeMetadata:
@@ -173,65 +194,86 @@ class _SafeMetadata:
     def read_metadata(self) -> Metadata:
         path = self._get_metadata_path()
         with self.fs.create_stream(path, "rb") as f:
-            metadata = load_metadata(f)
+            metadata = load_metadata(f, reuse=True)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-class _RawTensors:
-    """Reads the tensors `checkpointing.writer` stored as raw bytes straight into a tensor
-    of the dtype and chunk shape `.metadata` gives (no unpickling); any other item goes
-    through DCP's own `read_data`."""
+class _DirectTensors:
+    """Reads each tensor's stored bytes straight into the live tensor (or, when that is not
+    a plain CPU tensor of the stored chunk's dtype and shape, into a chunk copied from),
+    unpickling nothing: the bytes of a `RAW` record, or those of a standard record (a
+    `torch.save` archive of one tensor) whose archive is exactly what `torch.save` writes
+    for a contiguous tensor of the dtype and chunk shape `.metadata` gives, as
+    `checkpointing.writer` writes them. Any other standard record (a strided or quantized
+    tensor, another writer's pickle) is read as DCP's own reader does, with
+    `torch.load(weights_only=True)` on its bounded slice, and must then hold a tensor of
+    that dtype and shape. Non-tensor items go through DCP's `read_data` (and
+    `SafeLoadPlanner.load_bytes`)."""
 
     def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, *args, **kwargs)  # type: ignore[misc]
         self.tensors = metadata.state_dict_metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        raw: Dict[str, List[ReadItem]] = {}
+        tensors: Dict[str, List[ReadItem]] = {}
         rest = []
         for item in plan.items:
             info = self.storage_data[item.storage_index]  # type: ignore[attr-defined]
-            if tuple(info.transform_descriptors or ()) == (RAW,):
-                raw.setdefault(info.relative_path, []).append(item)
+            if item.type == LoadItemType.TENSOR and tuple(
+                    info.transform_descriptors or ()) in ((RAW,), ()):
+                tensors.setdefault(info.relative_path, []).append(item)
             else:
                 rest.append(item)
-        for relative_path, items in raw.items():
+        for relative_path, items in tensors.items():
             path = self.fs.concat_path(self.path, relative_path)  # type: ignore[attr-defined]
             with self.fs.create_stream(path, "rb") as stream:  # type: ignore[attr-defined]
                 size = stream.seek(0, io.SEEK_END)
                 for item in sorted(items, key=lambda i: self.storage_data[  # type: ignore
                         i.storage_index].offset):
-                    self._load_raw(stream, size, item, planner)
+                    self._load_tensor(stream, size, item, planner)
         return super().read_data(  # type: ignore[misc]
             dataclasses.replace(plan, items=rest), planner)
 
-    def _load_raw(self, stream: BinaryIO, size: int, item: ReadItem,
-                  planner: LoadPlanner) -> None:
+    def _load_tensor(self, stream: BinaryIO, size: int, item: ReadItem,
+                     planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]  # type: ignore[attr-defined]
+        fqn = item.storage_index.fqn
         if not 0 <= info.offset <= info.offset + info.length <= size:
             # checked before allocating: a forged length must not claim a terabyte
-            raise UnsafeCheckpointError(f"{_shown(item.storage_index.fqn)}: bytes "
-                                        f"{info.offset} to {info.offset + info.length} are not "
-                                        f"within {_shown(info.relative_path)} ({size} bytes)")
-        chunk = self._empty_chunk(item, info.length)
-        stream.seek(info.offset)
-        _read_exactly(stream, memoryview(chunk.reshape(-1).view(torch.uint8).numpy()),
-                      item.storage_index.fqn)
-        tensor = narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
+            raise UnsafeCheckpointError(f"{_shown(fqn)}: bytes {info.offset} to "
+                                        f"{info.offset + info.length} are not within "
+                                        f"{_shown(info.relative_path)} ({size} bytes)")
+        dtype, shape = self._stored_chunk(item)
         target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise UnsafeCheckpointError(f"{_shown(item.storage_index.fqn)}: the checkpoint "
-                                        f"holds {list(tensor.size())}, the model "
-                                        f"{list(target.size())}")
-        target.copy_(tensor)
+        span = ((info.offset, info.length) if info.transform_descriptors  # RAW
+                else _archived_bytes(stream, info, dtype, shape))
+        if span is None:
+            chunk = _unarchived(stream, info, fqn, dtype, shape)
+        else:
+            start, length = span
+            if math.prod(shape) * dtype.itemsize != length:
+                raise UnsafeCheckpointError(f"{_shown(fqn)}: {length} bytes stored for a "
+                                            f"{dtype} chunk of shape {shape}")
+            whole = (list(item.lengths) == shape and not any(item.storage_offsets)
+                     and list(target.size()) == shape)
+            chunk = (target if whole and _plain(target, dtype)
+                     else torch.empty(shape, dtype=dtype))
+            stream.seek(start)
+            _read_exactly(stream, memoryview(chunk.reshape(-1).view(torch.uint8).numpy()), fqn)
+        if chunk is not target:
+            tensor = narrow_tensor_by_index(chunk, item.storage_offsets, item.lengths)
+            if target.size() != tensor.size():
+                raise UnsafeCheckpointError(f"{_shown(fqn)}: the checkpoint holds "
+                                            f"{list(tensor.size())}, the model "
+                                            f"{list(target.size())}")
+            target.copy_(tensor)
         planner.commit_tensor(item, target)
 
-    def _empty_chunk(self, item: ReadItem, length: int) -> torch.Tensor:
-        """An uninitialised tensor of the stored chunk `item` reads from (its shape and dtype
-        checked against its length first)."""
+    def _stored_chunk(self, item: ReadItem) -> Tuple[torch.dtype, List[int]]:
+        """The dtype and shape `.metadata` gives the stored chunk `item` reads from."""
         index = item.storage_index
         entry = self.tensors.get(index.fqn)
         chunks = [c for c in getattr(entry, "chunks", ())
@@ -240,11 +282,137 @@ class _RawTensors:
             raise UnsafeCheckpointError(f"{METADATA_FILE} has no chunk of {_shown(index.fqn)}"
                                         f" at {list(index.offset or ())}")
         shape = [int(n) for n in chunks[0].sizes]
-        itemsize = entry.properties.dtype.itemsize
-        if min(shape, default=0) < 0 or math.prod(shape) * itemsize != length:
-            raise UnsafeCheckpointError(f"{_shown(index.fqn)}: {length} bytes stored for a "
-                                        f"{entry.properties.dtype} chunk of shape {shape}")
-        return torch.empty(shape, dtype=entry.properties.dtype)
+        if min(shape, default=0) < 0:
+            raise UnsafeCheckpointError(f"{_shown(index.fqn)}: a chunk of shape {shape}")
+        return entry.properties.dtype, shape
+
+
+def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the stored bytes of a `dtype` chunk can be read into `tensor`'s memory."""
+    return (type(tensor) is torch.Tensor and tensor.device.type == "cpu"
+            and tensor.dtype == dtype and tensor.layout == torch.strided
+            and not tensor.is_quantized and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg())
+
+
+def _unarchived(stream: BinaryIO, info: _StorageInfo, fqn: str, dtype: torch.dtype,
+                shape: List[int]) -> torch.Tensor:
+    """The tensor in the standard record `info` (within the file: checked), loaded as DCP's
+    reader loads it, which must be a `dtype` chunk of `shape` as `.metadata` says."""
+    stream.seek(info.offset)
+    record = stream.read(info.length)
+    if len(record) != info.length:
+        raise UnsafeCheckpointError(f"{_shown(fqn)}: the file ends "
+                                    f"{info.length - len(record)} bytes short")
+    try:
+        # torch checks each storage's size against its record before allocating it
+        tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"refusing to load item {_shown(fqn)}: {err}".splitlines()[0]) from None
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or (
+            list(tensor.size()) != shape):
+        held = (f"a {tensor.dtype} tensor of shape {list(tensor.size())}"
+                if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}")
+        raise UnsafeCheckpointError(f"{_shown(fqn)}: its record holds {held}, "
+                                    f"{METADATA_FILE} a {dtype} chunk of shape {shape}")
+    return tensor
+
+
+# Zip records (little-endian): the local header before an entry's bytes (signature, then
+# its name and extra field lengths at 26), the central directory's entry (method, sizes,
+# name, extra and comment lengths, offset of the local header) and its end record (entries,
+# directory size and offset). torch.save writes entry sizes only in the directory.
+_LOCAL = struct.Struct("<4s22xHH")
+_ENTRY = struct.Struct("<4s6xH8xIIHHH8xI")
+_END = struct.Struct("<4s6xHII2x")
+_NO_SIZE = 0xFFFFFFFF  # the field's value in a zip64 archive (over 4 GB): not read here
+# torch.save's records before a tensor's bytes (pickle, format version, alignment, byte
+# order) and its directory after them each take under a kilobyte.
+_HEAD = 4096
+
+
+def _archived_bytes(stream: BinaryIO, info: _StorageInfo, dtype: torch.dtype,
+                    shape: List[int]) -> Optional[Tuple[int, int]]:
+    """(offset in the file, length) of the tensor bytes in the standard record `info`, when
+    its archive is exactly `torch.save`'s of a contiguous `dtype` tensor of `shape` (the
+    same pickle, this machine's byte order, its one storage stored uncompressed, every
+    entry within the record); else None. Only the record's head and its zip directory are
+    read, and nothing is unpickled. (No CRC32 is checked: `checkpointing.writer` leaves them
+    out, torch.load does not check them, and every file's checksum is verified before a
+    load.)"""
+    stream.seek(info.offset)
+    if info.length <= 2 * _HEAD:  # most records (biases, norms, step counts): one read
+        head = tail = stream.read(info.length)
+        tail_at = 0
+    else:
+        head = stream.read(_HEAD)
+        tail_at = info.length - _HEAD
+        stream.seek(info.offset + tail_at)
+        tail = stream.read(_HEAD)
+    if len(tail) < _END.size:
+        return None
+    signature, count, size, offset = _END.unpack_from(tail, len(tail) - _END.size)
+    start = offset - tail_at
+    if (signature != b"PK\x05\x06" or offset == _NO_SIZE or start < 0
+            or start + size > len(tail) - _END.size):
+        return None
+    spans: Dict[bytes, Tuple[int, int]] = {}  # entry name -> (offset of its local header, size)
+    for _ in range(count):
+        if start + _ENTRY.size > len(tail):
+            return None
+        (signature, method, stored, length, name_length, extra_length, comment_length,
+         local) = _ENTRY.unpack_from(tail, start)
+        if signature != b"PK\x01\x02":
+            return None
+        name = tail[start + _ENTRY.size:start + _ENTRY.size + name_length]
+        if method == zipfile.ZIP_STORED and stored == length != _NO_SIZE:
+            spans[name.partition(b"/")[2]] = (local, length)
+        start += _ENTRY.size + name_length + extra_length + comment_length
+    if (b"data/0" not in spans or sum(n.startswith(b"data/") for n in spans) != 1
+            or spans[b"data/0"][1] != math.prod(shape) * dtype.itemsize):
+        return None
+    template = _tensor_pickle(dtype, tuple(shape))  # of the size of data/0's: bounded
+    for name, expected in ((b"data.pkl", template), (b"byteorder", sys.byteorder.encode())):
+        local, length = spans.get(name, (len(head), -1))
+        begin = _entry_start(head, local)
+        if (expected is None or begin is None or length != len(expected)
+                or head[begin:begin + length] != expected):
+            return None
+    local, length = spans[b"data/0"]
+    begin = _entry_start(head, local)  # its header follows the small records: in the head
+    if begin is None:
+        stream.seek(info.offset + local)
+        begin = _entry_start(stream.read(_LOCAL.size), 0)
+        begin = None if begin is None else local + begin
+    if begin is None or begin + length > info.length:
+        return None
+    return info.offset + begin, length
+
+
+def _entry_start(data: bytes, local: int) -> Optional[int]:
+    """Where the bytes of the entry whose local header is at `local` in `data` begin (as
+    an offset from the start of `data`); None when no local header is there."""
+    if local + _LOCAL.size > len(data):
+        return None
+    signature, name_length, extra_length = _LOCAL.unpack_from(data, local)
+    return (local + _LOCAL.size + name_length + extra_length
+            if signature == b"PK\x03\x04" else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_pickle(dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[bytes]:
+    """The `data.pkl` that `torch.save` writes for a contiguous `dtype` tensor of `shape`
+    that is all of its storage (what `checkpointing.writer` stores); None for a dtype no
+    plain tensor has. The tensor is allocated, never filled or written."""
+    buffer = io.BytesIO()
+    try:
+        with torch.serialization.skip_data():
+            torch.save(torch.empty(shape, dtype=dtype), buffer)
+    except (RuntimeError, TypeError):  # quantized and bit-packed dtypes
+        return None
+    with zipfile.ZipFile(buffer) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
 
 
 def _read_exactly(stream: BinaryIO, into: memoryview, name: str) -> None:
@@ -257,11 +425,11 @@ def _read_exactly(stream: BinaryIO, into: memoryview, name: str) -> None:
         done += n
 
 
-class SafeFileSystemReader(_SafeMetadata, _RawTensors, FileSystemReader):
+class SafeFileSystemReader(_SafeMetadata, _DirectTensors, FileSystemReader):
     """DCP's local-path reader, loading nothing that runs code."""
 
 
-class SafeFsspecReader(_SafeMetadata, _RawTensors, FsspecReader):
+class SafeFsspecReader(_SafeMetadata, _DirectTensors, FsspecReader):
     """DCP's fsspec reader (s3://, gs://, ...), loading nothing that runs code."""
 
 
@@ -290,8 +458,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                               TensorStorageMetadata) or (
                     isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
                 continue  # not loaded as a tensor here, or not this rank's
-            for index, chunk in enumerate(_create_chunk_list(obj)):
-                if not _read_exactly_once(chunk.sizes, reads.get((fqn, index), [])):
+            # a plain tensor is one chunk, itself (DCP's protocol checks cost 0.02 s a load)
+            sizes = ([obj.size()] if type(obj) in (torch.Tensor, torch.nn.Parameter)
+                     else [chunk.sizes for chunk in _create_chunk_list(obj)])
+            for index, size in enumerate(sizes):
+                if not _read_exactly_once(size, reads.get((fqn, index), [])):
                     raise UnsafeCheckpointError(
                         f"{_shown(fqn)}: the chunks {METADATA_FILE} lists do not make up the "
                         f"tensor (gaps or overlaps): a damaged or forged checkpoint")

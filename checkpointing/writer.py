@@ -1,14 +1,19 @@
-"""DCP's file writer: one file per rank, tensors as their raw bytes, checksummed as written.
+"""DCP's file writer: one file per rank, in DCP's standard format, checksummed as written.
 
-DCP's own writer stores each tensor as a separate `torch.save` archive (a pickle and zip
-records: about 800 a save for ResNet-50 + AdamW), which costs more CPU than the bytes, and
-in `async_mode=thread` holds the interpreter lock through tens of thousands of small writes
-while the training loop wants it. Here a tensor is one write of its bytes; the record DCP
-keeps in `.metadata` says where (file, offset, length) and carries the descriptor `RAW`,
-which `checkpointing.safe_load`'s readers understand. DCP's stock reader refuses such an
-entry ("Unknown extension") rather than misreading it; `python -m checkpointing.export`
-turns a checkpoint into a plain `torch.save` file. Checkpoints written by DCP's own writer
-(earlier versions of this trainer) still load.
+Each rank's items go into one file, `__<rank>_0.distcp`, as DCP's own `FileSystemWriter`
+lays them out: a tensor is a `torch.save` archive of that tensor alone, a non-tensor item
+the bytes DCP's planner serialized, and `.metadata` records where each one is (file,
+offset, length). So stock `torch.distributed.checkpoint.load` and
+`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` read a checkpoint with no
+module of this project imported. Each tensor is saved as a plain contiguous tensor that is
+all of its storage, so its archive holds exactly its bytes in C order, which
+`checkpointing.safe_load` reads straight into the live tensor.
+
+`checkpoint.format=raw` (off by default) stores each tensor as its bare bytes instead, with
+the descriptor `RAW` in `.metadata`: less CPU per save, but only this project's reader reads
+it (DCP's stock reader refuses such an entry, "Unknown extension", rather than misreading
+it; `python -m checkpointing.export` turns one into a plain `torch.save` file). Checkpoints
+of either format, and of DCP's own writer, load.
 
 The checksums (`checkpointing.checksums.WRITE_ALGORITHM`) are taken from the bytes on their
 way to the file, so the commit never reads the files back. The writer may run in DCP's
@@ -19,7 +24,6 @@ removes) before writing its marker.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -101,26 +105,37 @@ class ChecksummingFileSystem(FileSystem):
             self.records[Path(new_path).name] = record
 
 
-def _write_item(stream: Any, name: str, item: WriteItem, data: Any) -> WriteResult:
+def _write_item(stream: Any, name: str, item: WriteItem, data: Any, raw: bool) -> WriteResult:
     offset = stream.tell()
     descriptors: Optional[Tuple[str, ...]] = None
     if item.type == WriteItemType.BYTE_IO:
         stream.write(data.getbuffer())
     elif data.layout != torch.strided or data.is_quantized:
         # No raw bytes to speak of, or bytes that mean nothing without their quantizer's
-        # scale and zero point (which `.metadata` does not hold): DCP's own format.
-        buffer = io.BytesIO()
-        torch.save(data, buffer)
-        stream.write(buffer.getbuffer())
+        # scale and zero point: `torch.save` keeps what they need.
+        torch.save(data.detach().to("cpu"), stream)
     else:
-        # On CUDA a synchronous save hands over device tensors; staged ones are on the CPU.
-        # A conjugate or negative view holds its values unconjugated, un-negated: resolved.
-        tensor = data.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-        stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-        descriptors = (RAW,)
+        tensor = _standalone(data)
+        if raw:
+            stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            descriptors = (RAW,)
+        else:
+            torch.save(tensor, stream)
     length = stream.tell() - offset
     return WriteResult(index=item.index, size_in_bytes=length,
                        storage_data=_StorageInfo(name, offset, length, descriptors))
+
+
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s values as a plain contiguous CPU tensor that is all of its storage:
+    `torch.save` writes a view's whole storage, and a reader that takes the stored bytes
+    as the tensor's (`checkpointing.safe_load`) needs exactly them, in C order."""
+    # On CUDA a synchronous save hands over device tensors; staged ones are on the CPU.
+    # A conjugate or negative view holds its values unconjugated, un-negated: resolved.
+    out = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    if out.storage_offset() or out.untyped_storage().nbytes() != out.numel() * out.itemsize:
+        out = out.clone()
+    return out
 
 
 def _sidecar(directory: str | os.PathLike, rank: int) -> Path:
@@ -145,9 +160,10 @@ class Writer(FileSystemWriter):
     the error back; the trainer reports it in one line, so that process drops its own
     record."""
 
-    def __init__(self, path: str | os.PathLike, rank: int) -> None:
+    def __init__(self, path: str | os.PathLike, rank: int, raw: bool = False) -> None:
         super().__init__(path, sync_files=True)
         self.fs = ChecksummingFileSystem()
+        self.raw = raw  # checkpoint.format=raw: tensors as bare bytes, only our reader's
         self.sidecar = _sidecar(path, rank)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
@@ -156,11 +172,21 @@ class Writer(FileSystemWriter):
         if _not_a_failed_save not in root.filters:
             root.addFilter(_not_a_failed_save)
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
-            results = [_write_item(stream, name, item, planner.resolve_data(item))
-                       for item in plan.items]
-            stream.flush()
-            os.fsync(stream.fileno())
+        # torch.save's zip records each carry a CRC32 that costs more CPU than the write;
+        # the file's checksum already covers those bytes. The option is process-wide: a
+        # torch.save in another thread meanwhile (none in the trainer: model_final.pt is
+        # written after the last save) would skip its CRCs too, which torch.load accepts.
+        crc32 = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+                results = [_write_item(stream, name, item, planner.resolve_data(item),
+                                       self.raw)
+                           for item in plan.items]
+                stream.flush()
+                os.fsync(stream.fileno())
+        finally:
+            torch.serialization.set_crc32_options(crc32)
         self._leave_records()
         done: Future[List[WriteResult]] = Future()
         done.set_result(results)

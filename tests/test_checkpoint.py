@@ -149,32 +149,36 @@ def test_async_and_sync_saves_hold_identical_content(tmp_path):
 
 
 
-def test_tensors_are_stored_raw_and_dcp_s_own_format_still_loads(tmp_path, monkeypatch):
-    """Tensors go to disk as their bytes (no per-tensor `torch.save`); DCP's stock reader
-    refuses such a checkpoint loudly instead of misreading it, and a checkpoint in DCP's own
-    format (this trainer's earlier versions) still loads, bit for bit."""
+def test_raw_records_refuse_stock_dcp_and_every_format_loads(tmp_path, monkeypatch):
+    """`checkpoint.format=raw` stores tensors as their bytes (no per-tensor `torch.save`),
+    which DCP's stock reader refuses loudly instead of misreading. The default format holds
+    one archive per tensor, as DCP's own writer (this trainer's earlier versions) does; all
+    three load, bit for bit."""
     job = Job()
-    mgr = manager(tmp_path / "raw", async_mode="off")
-    mgr.save(1, job.state())
-    mgr.close()
+    for format in ("raw", "dcp"):
+        mgr = manager(tmp_path / format, async_mode="off", format=format)
+        mgr.save(1, job.state())
+        mgr.close()
     step_dir = tmp_path / "raw" / "step_000000001"
-    data = (step_dir / "__0_0.distcp").read_bytes()
-    assert job.model.state_dict()["0.weight"].numpy().tobytes() in data
+    assert job.model.state_dict()["0.weight"].numpy().tobytes() in (
+        step_dir / "__0_0.distcp").read_bytes()
     with pytest.raises(CheckpointException, match="Unknown extension"):
         dcp.load({"model": job.model.state_dict()}, storage_reader=FileSystemReader(step_dir),
                  planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
 
     monkeypatch.setattr(Writer, "write_data", FileSystemWriter.write_data)
-    old = manager(tmp_path / "dcp", async_mode="off")
+    old = manager(tmp_path / "stock", async_mode="off")
     old.save(1, job.state())
     old.close()
-    # one zip archive per tensor there; here only the non-tensor items are archives
-    archives = (tmp_path / "dcp" / "step_000000001" / "__0_0.distcp").read_bytes().count(
-        b"PK\x05\x06")
-    tensors = len(job.model.state_dict()) + 3 * len(job.optimizer.state)
-    assert archives - data.count(b"PK\x05\x06") == tensors
     monkeypatch.undo()
-    for root in ("dcp", "raw"):
+
+    def archives(root: str) -> int:
+        return (tmp_path / root / "step_000000001" / "__0_0.distcp").read_bytes().count(
+            b"PK\x05\x06")
+
+    tensors = len(job.model.state_dict()) + 3 * len(job.optimizer.state)
+    assert archives("stock") - archives("raw") == tensors == archives("dcp") - archives("raw")
+    for root in ("stock", "dcp", "raw"):
         step, loaded = load_into_fresh(manager(tmp_path / root))
         assert step == 1 and same(loaded, job.snapshot()), root
 
@@ -468,16 +472,38 @@ ODD_TENSORS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["off", "thread"])
+@pytest.mark.parametrize("mode,format", [("off", "dcp"), ("thread", "dcp"), ("off", "raw")])
 @pytest.mark.parametrize("kind", sorted(ODD_TENSORS))
-def test_odd_tensors_round_trip_bit_exact(tmp_path, kind, mode):
+def test_odd_tensors_round_trip_bit_exact(tmp_path, kind, mode, format):
     """The writer stores a tensor's bytes: any dtype, layout, view or sharing of storage
     must come back with the same bits (a conjugate view holds its values unconjugated; a
-    quantized tensor's bytes mean nothing without its scale)."""
+    quantized tensor's bytes mean nothing without its scale), through our reader and, in
+    the standard format, DCP's stock one."""
     tensors = ODD_TENSORS[kind]()
-    mgr = manager(tmp_path / "ckpt", async_mode=mode)
+    mgr = manager(tmp_path / "ckpt", async_mode=mode, format=format)
     mgr.save(1, {"s": dict(tensors)})
     mgr.close()
+    loaded = {k: _like(v) for k, v in tensors.items()}
+    assert manager(tmp_path / "ckpt").load_latest({"s": loaded}).step == 1
+    stock = {k: _like(v) for k, v in tensors.items()}
+    if format == "dcp":
+        dcp.load({"s": stock}, checkpoint_id=str(tmp_path / "ckpt" / "step_000000001"),
+                 no_dist=True)
+    for k, v in tensors.items():
+        assert torch.equal(_bits(loaded[k]), _bits(v)), k
+        assert format != "dcp" or torch.equal(_bits(stock[k]), _bits(v)), k
+
+
+def test_dcp_s_own_writer_s_strided_records_load_bit_exact(tmp_path, monkeypatch):
+    """DCP's own writer archives a tensor's storage as it lies (channels_last, transposed):
+    our reader must not take those bytes for C order, but load them as DCP does."""
+    tensors = {**ODD_TENSORS["channels_last"](), "tt": torch.randn(4, 6).t(),
+               **{f"q{k}": v for k, v in ODD_TENSORS["quantized"]().items()}}
+    monkeypatch.setattr(Writer, "write_data", FileSystemWriter.write_data)
+    mgr = manager(tmp_path / "ckpt", async_mode="off")
+    mgr.save(1, {"s": dict(tensors)})
+    mgr.close()
+    monkeypatch.undo()
     loaded = {k: _like(v) for k, v in tensors.items()}
     assert manager(tmp_path / "ckpt").load_latest({"s": loaded}).step == 1
     for k, v in tensors.items():

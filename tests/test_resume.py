@@ -7,16 +7,22 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import List
 
 import pytest
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from checkpointing import commit
+from checkpointing import commit, verify
+from checkpointing.safe_load import load_metadata
 from checkpointing.storage import Store
+from checkpointing.writer import RAW
 from support.checkpoints import (assert_matches_reference, assert_same_contents,
-                                 checkpoint_contents, complete_now, reference_of)
+                                 checkpoint_contents, complete_now, flattened, reference_of)
 from support.launch import PYTHON, finish, launch, run_job
 from support.ledger import assert_resumed, ledger_records, samples_per_rank
 from support.mount import rclone_mount
@@ -64,10 +70,15 @@ def kill_after_steps(args: List[str], ledger: Path, steps: int, fault: str = "",
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_root, tmp_path_factory):
+def reference_root(tiny_root, tmp_path_factory) -> Path:
     """The uninterrupted run, made once however many xdist workers run these tests."""
-    return reference_of(made_once(tmp_path_factory, "reference_resume",
-                                  lambda root: run_to_end(command(tiny_root, root))))
+    return made_once(tmp_path_factory, "reference_resume",
+                     lambda root: run_to_end(command(tiny_root, root)))
+
+
+@pytest.fixture(scope="module")
+def reference(reference_root):
+    return reference_of(reference_root)
 
 
 def test_repeated_kills_at_random_steps_end_bit_identical(tiny_root, tmp_path, reference):
@@ -193,3 +204,95 @@ def test_commit_protocol_on_a_real_fuse_mount_killed_mid_upload(tiny_root, tmp_p
         assert not [n for n in os.listdir(mnt / "ckpt") if "partial" in n]
     # What the server holds (not just the mount's cache) is the committed checkpoint.
     assert commit.verify(Store(str(tmp_path / "served" / "ckpt")), FINAL, 12) == 1
+
+
+# What a user of stock PyTorch runs on a checkpoint, knowing only that it is a torchvision
+# ResNet-18 trained with AdamW: `dcp.load` with the default reader into a freshly built state
+# dict (the model's and optimizer's from torch's own `get_state_dict`, every other entry as
+# the checkpoint lists it), a model and optimizer (its parameter groups as saved) loaded from
+# it, and `dcp_to_torch_save`.
+STOCK_READER = """
+import sys
+import torch
+import torch.distributed.checkpoint as dcp
+import torchvision
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+checkpoint, out = sys.argv[1:]
+listing = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+model = torchvision.models.get_model("resnet18",
+                                     num_classes=listing["model.fc.weight"].size[0])
+model_state, optim_state = get_state_dict(model, torch.optim.AdamW(model.parameters()))
+state = {"model": model_state, "optim": {"state": optim_state["state"]}}
+for key, entry in listing.items():
+    if not key.startswith(("model.", "optim.state.")):
+        state[key] = (torch.empty(entry.size, dtype=entry.properties.dtype)
+                      if isinstance(entry, TensorStorageMetadata) else None)
+dcp.load(state, checkpoint_id=checkpoint)
+torch.save(state, out + ".state.pt")
+groups = {}
+for key, value in state.items():
+    if key.startswith("optim.param_groups."):
+        index, name = key.split(".", 3)[2:]
+        groups.setdefault(int(index), {})[name] = value
+groups = [groups[i] for i in sorted(groups)]
+named = dict(model.named_parameters())
+optimizer = torch.optim.AdamW([{"params": [named[n] for n in g["params"]]} for g in groups])
+set_state_dict(model, optimizer, model_state_dict=state["model"],
+               optim_state_dict={"state": state["optim"]["state"], "param_groups": groups})
+dcp_to_torch_save(checkpoint, out + ".whole.pt")
+ours = [m for m in sys.modules if m.split(".")[0] in ("checkpointing", "train", "data", "common")]
+assert not ours, f"imported modules of the trainer: {ours}"
+torch.save({"model": model.state_dict(),
+            "exp_avg": {n: optimizer.state[p]["exp_avg"] for n, p in named.items()},
+            "weight_decay": [group["weight_decay"] for group in optimizer.param_groups]}, out)
+"""
+
+
+def test_a_checkpoint_is_read_by_stock_torch_alone(reference_root, tmp_path):
+    """The whole state (model, optimizer, scheduler, RNG, run info, data position) of a
+    trainer's checkpoint comes back through stock `dcp.load` and `dcp_to_torch_save`, in a
+    fresh interpreter elsewhere that imports nothing of this project, equal to what the
+    trainer's own reader reads."""
+    final = reference_root / "r" / "checkpoints" / FINAL
+    out = tmp_path / "read.pt"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-I", "-c", STOCK_READER, str(final), str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = checkpoint_contents(final)
+    assert {k.partition(".")[0] for k in ours} >= {
+        "model", "optim", "scheduler", "rng", "run", "trainer", "data"}
+    # what dcp.load filled = the whole state dcp_to_torch_save wrote = what our reader reads
+    whole = torch.load(f"{out}.whole.pt", weights_only=False)
+    assert_same_contents(flatten_state_dict(torch.load(f"{out}.state.pt",
+                                                       weights_only=False))[0],
+                         flatten_state_dict(whole)[0])
+    assert_same_contents(flattened(whole), ours)
+    live = torch.load(out, weights_only=False)
+    assert_same_contents({f"model.{k}": v for k, v in live["model"].items()}, ours, "model.")
+    assert_same_contents({f"optim.state.{k}.exp_avg": v for k, v in live["exp_avg"].items()},
+                         {k: v for k, v in ours.items() if k.endswith(".exp_avg")})
+    assert live["weight_decay"] == [g["weight_decay"] for g in ours["optim.param_groups"]]
+
+
+def test_a_run_in_the_raw_format_verifies_and_resumes_under_the_default(tiny_root, tmp_path,
+                                                                        reference):
+    """Checkpoints of the raw format (the default before DCP's standard one, now
+    `checkpoint.format=raw`) verify, and the run resumes from them with today's default and
+    ends bit-identical to the uninterrupted run."""
+    store = Store(str(tmp_path / "r" / "checkpoints"))
+    kill_after_steps(command(tiny_root, tmp_path, "checkpoint.format=raw"),
+                     tmp_path / "ledger.jsonl", 2, after_commit=store)
+    raw = [step for step, _ in commit.find_complete(store)]
+    for step in raw:
+        with open(Path(store.path(commit.step_dir_name(step), ".metadata")), "rb") as f:
+            records = load_metadata(f).storage_data.values()
+        assert any(tuple(r.transform_descriptors or ()) == (RAW,) for r in records), step
+    assert raw and verify.main([store.root]) == 0
+    since, committed = time.time(), complete_now(store)
+    run_to_end(command(tiny_root, tmp_path))
+    assert assert_resumed(tmp_path / "ledger.jsonl", since, committed) in raw
+    assert_matches_reference(tmp_path, reference)

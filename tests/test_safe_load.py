@@ -417,7 +417,7 @@ def test_a_hostile_non_tensor_item_falls_back_to_the_previous_checkpoint(tmp_pat
 
 
 def _forge_raw(field: str):
-    """A change to `.metadata`'s record of model.0.weight's raw bytes (or of its chunk)."""
+    """A change to `.metadata`'s record of model.0.weight (or of its chunk)."""
     def forge(metadata: Metadata) -> None:
         entry = metadata.state_dict_metadata["model.0.weight"]
         index, info = next((i, s) for i, s in metadata.storage_data.items()
@@ -457,21 +457,27 @@ ODD_SIZES = {"sizes huge": torch.Size([1 << 62, 1 << 62]), "sizes float": [16.0,
              "sizes one dim more": torch.Size([16, 8, 1])}
 
 
-@pytest.mark.parametrize("field", ["huge length", "past the end", "negative offset", "shape",
-                                   "dtype", "no such chunk", "another file",
-                                   *ODD_DESCRIPTORS, *ODD_DTYPES, *ODD_SIZES])
-def test_a_forged_raw_tensor_record_is_a_damaged_checkpoint(tmp_path, caplog, field):
-    """Tensors are stored as raw bytes placed by `.metadata`: a re-signed record that lies
-    about where they are or what shape they have is refused before anything is allocated or
-    read outside the checkpoint, and resume falls back to the previous checkpoint."""
-    root, first = forged_step_2(tmp_path, _forge_raw(field))
+FORGERIES = ["huge length", "past the end", "negative offset", "shape", "dtype",
+             "no such chunk", "another file", *ODD_DESCRIPTORS, *ODD_DTYPES, *ODD_SIZES]
+
+
+# No descriptor is what a standard record has: nothing forged there.
+@pytest.mark.parametrize("format,field", [(f, field) for f in ("dcp", "raw")
+                                          for field in FORGERIES
+                                          if (f, field) != ("dcp", "descriptor none")])
+def test_a_forged_tensor_record_is_a_damaged_checkpoint(tmp_path, caplog, field, format):
+    """`.metadata` places each tensor's record (a torch.save archive, or raw bytes): a
+    re-signed record that lies about where it is or what dtype and shape it holds is
+    refused before anything is allocated or read outside the checkpoint, and resume falls
+    back to the previous checkpoint."""
+    root, first = forged_step_2(tmp_path, _forge_raw(field), format=format)
     assert STEP_2 in resume_falls_back_to(first, root, caplog)
 
 
-def forged_step_2(tmp_path: Path, forge) -> tuple:
-    """Two checkpoints, the second's `.metadata` changed by `forge` and re-signed; the root
-    and the first checkpoint's state."""
-    root, first = two_checkpoints(tmp_path)
+def forged_step_2(tmp_path: Path, forge, **kw) -> tuple:
+    """Two checkpoints (`kw`: their CheckpointOptions), the second's `.metadata` changed by
+    `forge` and re-signed; the root and the first checkpoint's state."""
+    root, first = two_checkpoints(tmp_path, **kw)
     metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
     forge(metadata)
     plant_metadata(root / STEP_2, pickle.dumps(metadata))
@@ -531,8 +537,9 @@ def test_chunks_that_leave_part_of_a_tensor_unread_are_a_damaged_checkpoint(
 
 
 def test_a_tensor_in_several_chunks_loads_whole(tmp_path):
-    """The check above passes chunks that make up the tensor, as resharding reads them."""
-    root, _ = two_checkpoints(tmp_path)
+    """The check above passes chunks that make up the tensor, as resharding reads them
+    (raw records: a chunk's bytes are a slice of the tensor's)."""
+    root, _ = two_checkpoints(tmp_path, format="raw")
     whole = Job(seed=9)
     assert manager(root).load_latest(whole.state()).step == 2
     metadata = load_metadata(io.BytesIO((root / STEP_2 / ".metadata").read_bytes()))
@@ -543,17 +550,18 @@ def test_a_tensor_in_several_chunks_loads_whole(tmp_path):
     assert same(job.snapshot(), whole.snapshot())
 
 
+@pytest.mark.parametrize("format", ["dcp", "raw"])
 def test_a_file_that_shrinks_while_it_is_read_is_a_damaged_checkpoint(tmp_path, caplog,
-                                                                      monkeypatch):
+                                                                      monkeypatch, format):
     """Its size is taken once, before the reads: one cut short after that is one line."""
-    root, first = two_checkpoints(tmp_path)
-    read_raw = safe_load._RawTensors._load_raw
+    root, first = two_checkpoints(tmp_path, format=format)
+    read_raw = safe_load._DirectTensors._load_tensor
 
     def shrinking(reader, stream, size, item, planner):
         os.truncate(root / STEP_2 / "__0_0.distcp", 10)
         return read_raw(reader, stream, size, item, planner)
 
-    monkeypatch.setattr(safe_load._RawTensors, "_load_raw", shrinking)
+    monkeypatch.setattr(safe_load._DirectTensors, "_load_tensor", shrinking)
     with caplog.at_level(logging.WARNING):
         job = Job(seed=9)
         assert manager(root).load_latest(job.state()).step == 1

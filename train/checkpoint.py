@@ -52,7 +52,8 @@ def build_manager(cfg: DictConfig, world: World,
                                     async_mode=ck.async_mode.value, keep_last=ck.keep_last,
                                     commit_timeout_s=ck.commit_timeout_s,
                                     storage_options=OmegaConf.to_container(
-                                        ck.storage_options, resolve=True))
+                                        ck.storage_options, resolve=True),
+                                    format=ck.format.value)
         manager = CheckpointManager(options, world.rank, world.world_size,
                                     world.control_group,
                                     fault_hook=lambda phase, step: faults.at(

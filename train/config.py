@@ -61,6 +61,11 @@ class AsyncMode(str, Enum):
     process = "process"  # dcp.async_save in a background process
 
 
+class CheckpointFormat(str, Enum):
+    dcp = "dcp"  # DCP's standard format: stock torch.distributed.checkpoint reads it
+    raw = "raw"  # tensors as bare bytes: less CPU per save, but only this trainer reads it
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # resume when a complete checkpoint exists
     required = "required"  # fail without one
@@ -450,6 +455,8 @@ class CheckpointConfig:
     restart_seconds: float = bounded(60.0, gt=0, le=PLAN_LARGEST)
     keep_last: int = bounded(3, ge=1)
     async_mode: AsyncMode = AsyncMode.thread
+    # How tensors are stored (checkpointing/writer.py); checkpoints of either format load.
+    format: CheckpointFormat = CheckpointFormat.dcp
     resume: ResumeMode = ResumeMode.auto
     # Rank 0 waits this long for every rank's marker
     commit_timeout_s: float = bounded(600.0, gt=0, le=MAX_TIMEOUT_SECONDS)

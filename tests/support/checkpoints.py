@@ -23,6 +23,13 @@ def checkpoint_contents(path: Path) -> Dict[str, object]:
     state: Dict[str, object] = {}
     _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    flat = flattened(state)
+    assert any(k.startswith("model.") for k in flat)
+    return flat
+
+
+def flattened(state: Dict[str, object]) -> Dict[str, object]:
+    """A nested state dict's leaves under dotted keys, as DCP names its items."""
     flat: Dict[str, object] = {}
 
     def walk(prefix: str, node: object) -> None:
@@ -33,7 +40,6 @@ def checkpoint_contents(path: Path) -> Dict[str, object]:
             flat[prefix[:-1]] = node
 
     walk("", state)
-    assert any(k.startswith("model.") for k in flat)
     return flat
 
 

@@ -89,9 +89,9 @@ def load_into_fresh(mgr: CheckpointManager) -> tuple:
     return (loaded and loaded.step), job.snapshot()
 
 
-def two_checkpoints(tmp_path: Path) -> tuple:
+def two_checkpoints(tmp_path: Path, **kw) -> tuple:
     job = Job()
-    mgr = manager(tmp_path / "ckpt", async_mode="off")
+    mgr = manager(tmp_path / "ckpt", async_mode="off", **kw)
     mgr.save(1, job.state())
     first = job.snapshot()
     job.step()
