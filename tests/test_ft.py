@@ -22,8 +22,9 @@ from data.sampler import split_bounds  # noqa: E402
 from support.launch import finish, free_port, launch, port_open, torchrun, wait_for  # noqa: E402
 from support.ledger import assert_exactly_once, ledger_records, surviving_history  # noqa: E402
 from support.runs import train_args  # noqa: E402
-from train.ft import (apply_means, checksum_slots, drift_of, judge, read_checksums,  # noqa: E402
-                      spans, weighted_sums)
+from data.redact import strip_credentials  # noqa: E402
+from train.ft import (apply_means, checksum_slots, drift_of, identity_of, judge,  # noqa: E402
+                      read_checksums, spans, weighted_sums)
 
 KILLED_AT = 3  # the step whose start, or whose all-reduce, kills group 1
 
@@ -338,3 +339,27 @@ def test_the_group_furthest_ahead_sets_what_is_trained() -> None:
             {"replica_id": 1, "step": 0, "config": {f"k{i}": "b" for i in range(8)}}]
     assert "; 3 more. Start" in judge(many, 1).refused
     assert spans([7, 1, 3, 2, 9, 10]) == "1-3, 7, 9-10"
+
+
+@pytest.mark.parametrize("root", [
+    "s3://AKIAKEY:{secret}@minio:9000/bucket/data",
+    "https://alice:{secret}@files.example.org/data",
+    "https://{secret}@files.example.org/data",
+    "az://box/data?sv=2024&sig={secret}"])
+def test_no_credential_reaches_a_peer_or_the_refusal_line(root: str) -> None:
+    """data.root with a secret in the URL, long enough that a 40-character cut drops its
+    "@": the value a group publishes holds none, the same bucket read with another key is
+    the same data (not refused), and a refusal over another key names no secret, before or
+    after the error line's own stripping."""
+    old, new = "oldSecretRotatedAwayXXXXXXXXXXXX", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLE"
+    ours = identity_of({"data.root": root.format(secret=new), "seed": 0})
+    theirs = identity_of({"data.root": root.format(secret=old), "seed": 0})
+    assert new not in json.dumps(ours) and ours == theirs and ours["seed"] == "0"
+    members = [{"replica_id": 0, "step": 0, "config": {"data.root": root.format(secret=new)}},
+               {"replica_id": 1, "step": 0,
+                "config": {"data.root": root.format(secret=old).replace("data", "other")}}]
+    refused = judge(members, 1).refused
+    assert "data.root=" in refused
+    for secret in (old, new):
+        for text in (refused, strip_credentials(refused)):
+            assert secret[:8] not in text, text

@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from data.redact import strip_credentials
 from train import events
 from train.config import FaultToleranceConfig
 from train.distributed import World
@@ -227,14 +228,27 @@ def judge(members: List[Dict[str, Any]], me: int) -> Verdict:
     if mine not in odd:
         return Verdict(others=tuple(m["replica_id"] for m in odd))
     keys = changed_keys(reference["config"], mine["config"])
-    shown = "; ".join(f"{k}={str(mine['config'].get(k, '(absent)'))[:40]} here, "
-                      f"{str(reference['config'].get(k, '(absent)'))[:40]} there"
+    shown = "; ".join(f"{k}={_shown(mine['config'].get(k))} here, "
+                      f"{_shown(reference['config'].get(k))} there"
                       for k in keys[:5]) + (f"; {len(keys) - 5} more" if len(keys) > 5 else "")
     return Verdict(refused=(
         f"replica group {me} trains something else than replica group "
         f"{reference['replica_id']} (at step {reference['step']}) under the same lighthouse: "
         f"{shown}. Start every group with the same config (keys that do not change what is "
         f"trained, such as trainer.max_steps, data.num_workers or checkpoint.*, may differ)"))
+
+
+def _shown(value: Any) -> str:
+    """A config value in the refusal: credentials stripped before it is cut (a cut URL's
+    password, its "@" gone, would no longer be recognised as one)."""
+    return "(absent)" if value is None else strip_credentials(str(value))[:40]
+
+
+def identity_of(config: Dict[str, Any]) -> Dict[str, str]:
+    """What a group publishes to its peers of what it trains: the training config with
+    credentials stripped (two groups reading one bucket with different keys train the same
+    thing, and no peer or refusal line gets a secret)."""
+    return {key: strip_credentials(str(value)) for key, value in config.items()}
 
 
 def spans(steps: List[int]) -> str:
@@ -260,7 +274,7 @@ class FaultTolerantReplicas(Replicas):
                  faults: FaultHook, identity: Dict[str, str], check_every: int) -> None:
         self.cfg, self.world, self.model, self.faults = cfg, world, model, faults
         self.optimizer, self.scheduler, self.health = optimizer, scheduler, health
-        self.identity, self.check_every = identity, check_every
+        self.identity, self.check_every = identity_of(identity), check_every
         self.position = Position()
         self._verdict: Optional[Verdict] = None  # of the last quorum that formed a group
         self.manager = connect(cfg, world, device, self._state, self._load, self._agree)
