@@ -240,8 +240,9 @@ def judge(members: List[Dict[str, Any]], me: int) -> Verdict:
     return Verdict(refused=(
         f"replica group {me} trains something else than replica group "
         f"{reference['replica_id']} (at step {reference['step']}) under the same lighthouse: "
-        f"{shown}. Start every group with the same config and as many ranks (keys that do not change what is "
-        f"trained, such as trainer.max_steps, data.num_workers or checkpoint.*, may differ)"))
+        f"{shown}. Start every group with the same config and as many ranks (keys that do "
+        f"not change what is trained, such as trainer.max_steps, data.num_workers or "
+        f"checkpoint.*, may differ)"))
 
 
 def _shown(value: Any) -> str:
