@@ -51,7 +51,8 @@ def check_model(name: str, card: Mapping[str, Any], schema: Dict[str, Any]) -> N
         return
     if recorded != schema:
         count = recorded.get("count") if isinstance(recorded, dict) else None
-        how = (f"{schema['count']} model tensors where its model card records {count}"
+        how = (f"{schema['count']} model tensors where its model card records "
+               f"{str(count)[:40]}"
                if count != schema["count"] else
                f"{schema['count']} model tensors as its model card records, but other names, "
                f"shapes or dtypes")

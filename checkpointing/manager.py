@@ -19,6 +19,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
@@ -39,6 +40,7 @@ from checkpointing.storage import Store
 from checkpointing.verify import listed_files
 from checkpointing.writer import Writer, take_records
 from common.distributed import broadcast_object
+from common.processes import stop_signals_kept_from_helpers
 from common.files import CHUNK
 
 log = logging.getLogger(__name__)
@@ -233,9 +235,11 @@ class CheckpointManager:
             return time.perf_counter() - start
         kind = (AsyncCheckpointerType.PROCESS if self.options.async_mode == "process"
                 else AsyncCheckpointerType.THREAD)
-        future = dcp.async_save(state, storage_writer=writer, planner=planner,
-                                async_stager=self._stager, async_checkpointer_type=kind,
-                                **self._dcp_kwargs())
+        with (stop_signals_kept_from_helpers() if kind == AsyncCheckpointerType.PROCESS
+              else nullcontext()):
+            future = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                    async_stager=self._stager, async_checkpointer_type=kind,
+                                    **self._dcp_kwargs())
         stall = time.perf_counter() - start
         self._pending = threading.Thread(target=self._finish_in_background,
                                          args=(future, step, target, start),

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpointing.checksums import WRITE_ALGORITHM, hasher
+from common.processes import leave_the_process_group_once
 
 # The transform descriptor of a tensor stored as its raw bytes (C order, in this machine's
 # byte order, which the name records), its dtype and shape being those `.metadata` gives
@@ -158,19 +159,22 @@ class Writer(FileSystemWriter):
     """DCP's file writer with checksums. With `async_mode=process` it runs in DCP's
     background process, which logs a failed save with every rank's traceback before handing
     the error back; the trainer reports it in one line, so that process drops its own
-    record."""
+    record, and leaves the trainer's process group (common.processes)."""
 
     def __init__(self, path: str | os.PathLike, rank: int, raw: bool = False) -> None:
         super().__init__(path, sync_files=True)
         self.fs = ChecksummingFileSystem()
         self.raw = raw  # checkpoint.format=raw: tensors as bare bytes, only our reader's
         self.sidecar = _sidecar(path, rank)
+        self.made_in = os.getpid()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         """This rank's items into one file, `__<rank>_0.distcp`, fsynced."""
         root = logging.getLogger()
         if _not_a_failed_save not in root.filters:
             root.addFilter(_not_a_failed_save)
+        if os.getpid() != self.made_in:  # in DCP's checkpoint process
+            leave_the_process_group_once()
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         # torch.save's zip records each carry a CRC32 that costs more CPU than the write;
         # the file's checksum already covers those bytes. The option is process-wide: a

@@ -1,8 +1,50 @@
-"""Process liveness, for telling a live holder of a lock or reservation from a dead one."""
+"""Process liveness, for telling a live holder of a lock or reservation from a dead one; the
+trainer's stop signals kept from the helpers it starts."""
 
 from __future__ import annotations
 
 import os
+import signal
+from contextlib import contextmanager
+from multiprocessing import resource_tracker
+from typing import Iterator
+
+# The signals that may ask the trainer to stop (trainer.stop_signals' choices) but SIGTERM,
+# by which multiprocessing ends its helpers (a helper blocking it would hang the exit)
+STOP_SIGNALS_BUT_TERM = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                         signal.SIGUSR2)
+
+
+@contextmanager
+def stop_signals_kept_from_helpers() -> Iterator[None]:
+    """Around a call that may start helper threads and processes with multiprocessing (DCP's
+    checkpoint process, its executor thread, multiprocessing's resource tracker): the stop
+    signals but SIGTERM blocked in this thread, so that the helpers start, and stay, with
+    them blocked. A scheduler signals every process of a job (SLURM's --signal), a terminal
+    its foreground group; a helper that died of it would fail the very save the trainer
+    stops to make. The trainer's own signals wait, not lost, until the call returns."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS_BUT_TERM)
+    # Started here, and blocked again after: multiprocessing starts its tracker with SIGINT and
+    # SIGTERM blocked, then unblocks both in the calling thread (here, not in a helper).
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS_BUT_TERM)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def leave_the_process_group_once() -> None:
+    """For a helper process (DCP's checkpoint process): a process group of its own, so that
+    the SIGTERM torchrun's agent sends its worker's whole group misses it (the worker stops
+    at a checkpoint that this helper writes). Nothing after the first call."""
+    global _left
+    if not _left:
+        os.setpgid(0, 0)
+        _left = True
+
+
+_left = False
 
 
 def pid_alive(pid: int) -> bool:

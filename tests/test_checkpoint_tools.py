@@ -24,7 +24,7 @@ import torchvision
 from safetensors.torch import load_file
 
 from checkpointing import commit, export, verify
-from checkpointing.claims import SCHEMA_KEY, schema_of_state
+from checkpointing.claims import SCHEMA_KEY, ClaimMismatch, check_model, schema_of_state
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.safe_load import load_metadata
 from checkpointing.storage import Store
@@ -285,3 +285,15 @@ def test_export_refuses_what_resume_refuses(tmp_path, capsys, tamper, error):
     err = capsys.readouterr().err
     assert err.splitlines() == [f"error: checkpoint {STEP_20} " + error.format(n=n, n2=n - 2)]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("forged", ["x" * 10**6, {"count": "9" * 10**6}, {"count": [1] * 10**5},
+                                    {"count": None, "sha256": 5}, [], 0])
+def test_a_forged_tensor_record_of_any_type_is_one_short_line(forged) -> None:
+    """The model card's `tensors` record is read from the checkpoint: whatever its type or
+    size, a mismatch is one short line, never a traceback or a megabyte of message."""
+    schema = schema_of_state({"w": torch.zeros(2)})
+    with pytest.raises(ClaimMismatch) as refused:
+        check_model("step_000000004", {SCHEMA_KEY: forged}, schema)
+    line = str(refused.value)
+    assert "\n" not in line and len(line) < 300, line[:400]

@@ -22,8 +22,9 @@ from data.sampler import split_bounds  # noqa: E402
 from support.launch import finish, free_port, launch, port_open, torchrun, wait_for  # noqa: E402
 from support.ledger import assert_exactly_once, ledger_records, surviving_history  # noqa: E402
 from support.runs import train_args  # noqa: E402
-from train.ft import (apply_means, checksum_slots, drift_of, judge, read_checksums,  # noqa: E402
-                      spans, weighted_sums)
+from data.redact import strip_credentials  # noqa: E402
+from train.ft import (apply_means, checksum_slots, drift_of, identity_of, judge,  # noqa: E402
+                      read_checksums, spans, weighted_sums)
 
 KILLED_AT = 3  # the step whose start, or whose all-reduce, kills group 1
 
@@ -58,8 +59,8 @@ def lighthouse(tmp_path: Path) -> Iterator[str]:
 
 
 def start_group(tiny_root: Path, run_root: Path, lighthouse: str, replica: int, fault: str,
-                max_restarts: int = 0, groups: int = 2, extra: Sequence[str] = ()
-                ) -> subprocess.Popen:
+                max_restarts: int = 0, groups: int = 2, extra: Sequence[str] = (),
+                nproc: int = 1) -> subprocess.Popen:
     args = train_args(tiny_root, run_root, f"strategy.fault_tolerance.lighthouse={lighthouse}",
                       f"strategy.fault_tolerance.replica_id={replica}",
                       f"strategy.fault_tolerance.replica_groups={groups}",
@@ -67,7 +68,7 @@ def start_group(tiny_root: Path, run_root: Path, lighthouse: str, replica: int, 
                       "strategy.fault_tolerance.quorum_timeout_seconds=5",
                       "strategy.fault_tolerance.connect_timeout_seconds=5", *extra,
                       strategy="ddp_ft")
-    return launch(torchrun(1, max_restarts=max_restarts), args, fault=fault,
+    return launch(torchrun(nproc, max_restarts=max_restarts), args, fault=fault,
                   log=run_root / f"group{replica}.log")
 
 
@@ -223,8 +224,8 @@ def test_a_group_that_trains_something_else_is_refused_at_join(
         r"error: replica group 2 trains something else than replica group [01] \(at step \d+\) "
         r"under the same lighthouse: data.global_batch_size=30 here, 20 there; optim.lr=0.5 "
         r"here, 0.1 there; seed=7 here, 0 there\. Start every group with the same config "
-        r"\(keys that do not change what is trained, such as trainer.max_steps, "
-        r"data.num_workers or checkpoint.\*, may differ\)", line), line
+        r"and as many ranks \(keys that do not change what is trained, such as "
+        r"trainer.max_steps, data.num_workers or checkpoint.\*, may differ\)", line), line
     assert not ledger_records(tmp_path / "ledger.jsonl") or all(
         r["world"] == 2 for r in ledger_records(tmp_path / "ledger.jsonl"))
     outs = [ended(groups[replica], tmp_path, replica) for replica in (0, 1)]
@@ -234,6 +235,30 @@ def test_a_group_that_trains_something_else_is_refused_at_join(
                in out for out in outs)
     ours, theirs = final_weights(tmp_path, 0), final_weights(tmp_path, 1)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert_exactly_once(tmp_path / "ledger.jsonl", epochs=1)
+    assert {r["world"] for r in ledger_records(tmp_path / "ledger.jsonl")} == {2}
+
+
+def test_a_group_of_another_width_is_refused_at_join(
+        tiny_root: Path, tmp_path: Path, lighthouse: str) -> None:
+    """Group 0 of two ranks, group 1 of one, the same config: torchft pairs rank r of every
+    group, so group 0's rank 1 has no peer (it used to wait out every timeout, and the
+    ranks of group 0 disagreed on whether to train). Group 1, waiting first, is refused
+    with one line, exit 2; group 0, every one of its ranks, goes on without it."""
+    common = ["trainer.max_steps=6", "strategy.fault_tolerance.quorum_timeout_seconds=60"]
+    lone = start_group(tiny_root, tmp_path, lighthouse, 1, "",
+                       extra=[*common, "strategy.fault_tolerance.min_replicas=2"])
+    wait_for(lambda: "waiting up to 60s" in (tmp_path / "group1.log").read_text(),
+             "group 1 to wait for more groups", proc=lone)
+    pair = start_group(tiny_root, tmp_path, lighthouse, 0, "", extra=common, nproc=2)
+    out = ended(lone, tmp_path, 1, timeout=120)
+    assert [e["code"] for e in events_of(tmp_path, 1) if e["kind"] == "exit"] == [2], out[-3000:]
+    [line] = [line for line in out.splitlines() if "something else" in line]
+    assert re.fullmatch(r"error: replica group 1 trains something else than replica group 0 "
+                        r"\(at step 0\) under the same lighthouse: ranks per group=1 here, 2 "
+                        r"there\. Start every group .*", line), line
+    out = ended(pair, tmp_path, 0, timeout=120)
+    assert pair.returncode == 0, out[-3000:]
     assert_exactly_once(tmp_path / "ledger.jsonl", epochs=1)
     assert {r["world"] for r in ledger_records(tmp_path / "ledger.jsonl")} == {2}
 
@@ -338,3 +363,27 @@ def test_the_group_furthest_ahead_sets_what_is_trained() -> None:
             {"replica_id": 1, "step": 0, "config": {f"k{i}": "b" for i in range(8)}}]
     assert "; 3 more. Start" in judge(many, 1).refused
     assert spans([7, 1, 3, 2, 9, 10]) == "1-3, 7, 9-10"
+
+
+@pytest.mark.parametrize("root", [
+    "s3://AKIAKEY:{secret}@minio:9000/bucket/data",
+    "https://alice:{secret}@files.example.org/data",
+    "https://{secret}@files.example.org/data",
+    "az://box/data?sv=2024&sig={secret}"])
+def test_no_credential_reaches_a_peer_or_the_refusal_line(root: str) -> None:
+    """data.root with a secret in the URL, long enough that a 40-character cut drops its
+    "@": the value a group publishes holds none, the same bucket read with another key is
+    the same data (not refused), and a refusal over another key names no secret, before or
+    after the error line's own stripping."""
+    old, new = "oldSecretRotatedAwayXXXXXXXXXXXX", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLE"
+    ours = identity_of({"data.root": root.format(secret=new), "seed": 0})
+    theirs = identity_of({"data.root": root.format(secret=old), "seed": 0})
+    assert new not in json.dumps(ours) and ours == theirs and ours["seed"] == "0"
+    members = [{"replica_id": 0, "step": 0, "config": {"data.root": root.format(secret=new)}},
+               {"replica_id": 1, "step": 0,
+                "config": {"data.root": root.format(secret=old).replace("data", "other")}}]
+    refused = judge(members, 1).refused
+    assert "data.root=" in refused
+    for secret in (old, new):
+        for text in (refused, strip_credentials(refused)):
+            assert secret[:8] not in text, text

@@ -11,6 +11,7 @@ repeats, start-up and the end of a run in small processes of their own.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -254,3 +255,28 @@ def test_a_signal_the_process_was_started_ignoring_stays_ignored():
                      "    time.sleep(0.2)\n"
                      "    print(flag.requested(), flush=True)\n")
     assert (proc.returncode, proc.stdout.split()) == (0, ["False"]), proc.stderr
+
+
+@pytest.mark.parametrize("signum, reach", [(signal.SIGUSR2, "tree"), (signal.SIGTERM, "group")])
+def test_a_signal_to_every_process_spares_the_checkpoint_process(tiny_root, tmp_path, signum,
+                                                                 reach):
+    """SLURM's --signal=USR2@T reaches every process of the step, torchrun's agent signals
+    its worker's whole process group: DCP's checkpoint process too (`async_mode=process`,
+    alive since the first save). It must not die of a signal that asks the trainer to save
+    (it did: the save in flight failed, and the stop's own save with it: exit 2, nothing
+    saved)."""
+    ledger = tmp_path / "ledger.jsonl"
+    args = train_args(tiny_root, tmp_path, "checkpoint.async_mode=process",
+                      "checkpoint.interval_steps=1", strategy="single")
+    proc = launch(PYTHON, args)
+    wait_for(lambda: len(ledger_records(ledger)) >= 2 and committed(tmp_path),
+             "two steps and a save by the checkpoint process", proc=proc)
+    if reach == "group":
+        os.killpg(proc.pid, signum)
+    else:
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            os.kill(pid, signum)
+    out = finish(proc)
+    assert proc.returncode == EXIT_PREEMPTED, f"exit {proc.returncode}:\n{out[-3000:]}"
+    assert_stopped_at_a_commit(out, tmp_path)
+    assert not re.search(r"checkpoint at step \d+ failed|resource_tracker", out), out[-3000:]

@@ -20,10 +20,11 @@ exact, which torchft's own sampler does not (it drops a dead group's batches):
 
 What keeps the groups honest with each other:
 
-- Groups train together only if they train the same thing: whenever the quorum's members
-  change, every participant publishes its training config (what the run identity covers,
-  `train.checkpoint.training_config`) through the quorum's store before the process group
-  forms, and before any heal. The group furthest ahead (at a tie, the lowest replica id)
+- Groups train together only if they train the same thing on as many ranks: whenever the
+  quorum's members change, every participant's rank 0 publishes its training config (what
+  the run identity covers, `train.checkpoint.training_config`, credentials stripped) and
+  its rank count through the quorum's store before the process group forms, and before
+  any heal. The group furthest ahead (at a tie, the lowest replica id)
   sets what is trained; a group that differs from it is refused with one line naming the
   keys (exit 2), and the others go on without it.
 - After every `health.replica_check_steps`-th step, each group adds a bit-exact checksum
@@ -56,6 +57,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from data.redact import strip_credentials
 from train import events
 from train.config import FaultToleranceConfig
 from train.distributed import World
@@ -200,6 +202,11 @@ def drift_of(checksums: Dict[int, int], step: int) -> Optional[str]:
             f"from group {first})" if differ else None)
 
 
+# What a group publishes besides its config: how many ranks it has (a group's rank r
+# averages with rank r of every other group, so all must have as many).
+RANKS_KEY = "ranks per group"
+
+
 class GroupsDisagree(RuntimeError):
     """Raised in torchft's quorum thread: the quorum's groups do not train the same thing."""
 
@@ -227,14 +234,28 @@ def judge(members: List[Dict[str, Any]], me: int) -> Verdict:
     if mine not in odd:
         return Verdict(others=tuple(m["replica_id"] for m in odd))
     keys = changed_keys(reference["config"], mine["config"])
-    shown = "; ".join(f"{k}={str(mine['config'].get(k, '(absent)'))[:40]} here, "
-                      f"{str(reference['config'].get(k, '(absent)'))[:40]} there"
+    shown = "; ".join(f"{k}={_shown(mine['config'].get(k))} here, "
+                      f"{_shown(reference['config'].get(k))} there"
                       for k in keys[:5]) + (f"; {len(keys) - 5} more" if len(keys) > 5 else "")
     return Verdict(refused=(
         f"replica group {me} trains something else than replica group "
         f"{reference['replica_id']} (at step {reference['step']}) under the same lighthouse: "
-        f"{shown}. Start every group with the same config (keys that do not change what is "
-        f"trained, such as trainer.max_steps, data.num_workers or checkpoint.*, may differ)"))
+        f"{shown}. Start every group with the same config and as many ranks (keys that do "
+        f"not change what is trained, such as trainer.max_steps, data.num_workers or "
+        f"checkpoint.*, may differ)"))
+
+
+def _shown(value: Any) -> str:
+    """A config value in the refusal: credentials stripped before it is cut (a cut URL's
+    password, its "@" gone, would no longer be recognised as one)."""
+    return "(absent)" if value is None else strip_credentials(str(value))[:40]
+
+
+def identity_of(config: Dict[str, Any]) -> Dict[str, str]:
+    """What a group publishes to its peers of what it trains: the training config with
+    credentials stripped (two groups reading one bucket with different keys train the same
+    thing, and no peer or refusal line gets a secret)."""
+    return {key: strip_credentials(str(value)) for key, value in config.items()}
 
 
 def spans(steps: List[int]) -> str:
@@ -260,7 +281,7 @@ class FaultTolerantReplicas(Replicas):
                  faults: FaultHook, identity: Dict[str, str], check_every: int) -> None:
         self.cfg, self.world, self.model, self.faults = cfg, world, model, faults
         self.optimizer, self.scheduler, self.health = optimizer, scheduler, health
-        self.identity, self.check_every = identity, check_every
+        self.identity, self.check_every = identity_of(identity), check_every
         self.position = Position()
         self._verdict: Optional[Verdict] = None  # of the last quorum that formed a group
         self.manager = connect(cfg, world, device, self._state, self._load, self._agree)
@@ -367,27 +388,54 @@ class FaultTolerantReplicas(Replicas):
                     f"{self.cfg.min_replicas} replica groups")
         return None
 
-    def _agree(self, store_address: str, rank: int, world_size: int) -> None:
+    def _agree(self, store_address: str, rank: int, world_size: int, quorum_id: int) -> None:
         """In torchft's quorum thread, as the quorum's members change, before the group of
         the participants forms and before any heal: publish what this group trains through
         the quorum's store, read every participant's, and judge. Raising here makes torchft
-        drop this quorum (no heal, no collective); `_why_not_train` then says why."""
-        from torchft.process_group import create_store_client
+        drop this quorum (no heal, no collective); `_why_not_train` then says why.
 
+        Only the groups' rank 0s meet (every group has one: torchft pairs rank r of each
+        group, and a group with fewer ranks leaves a wider one's rank r without peers); each
+        hands its verdict to its own ranks through its own store, so all of a group's ranks
+        go on, or wait, together."""
         self._verdict = None
-        store = create_store_client(f"{store_address}/goodput_identity",
-                                    timeout=timedelta(seconds=self.cfg.timeout_seconds))
-        store.set(str(rank), json.dumps({"replica_id": self.cfg.replica_id,
-                                         "step": self.manager.current_step(),
-                                         "config": self.identity}))
-        members = [json.loads(store.get(str(r))) for r in range(world_size)]
-        verdict = judge(members, self.cfg.replica_id)
+        own = dist.distributed_c10d._get_default_store() if self.world.world_size > 1 else None
+        key = f"goodput/verdict/{quorum_id}"
+        if self.world.rank == 0:
+            try:
+                verdict = self._judge_members(store_address, rank, world_size)
+            except Exception as err:
+                if own is not None:
+                    own.set(key, json.dumps({"error": str(err).splitlines()[0][:200]
+                                             if str(err) else type(err).__name__}))
+                raise
+            if own is not None:
+                own.set(key, json.dumps({"refused": verdict.refused,
+                                         "others": list(verdict.others)}))
+        else:
+            own.wait([key], timedelta(seconds=self.cfg.timeout_seconds))
+            record = json.loads(own.get(key))
+            if "error" in record:
+                raise RuntimeError(f"rank 0 could not compare the groups: {record['error']}")
+            verdict = Verdict(record["refused"], tuple(record["others"]))
         if verdict.refused or verdict.others:
             self._verdict = verdict
-            if verdict.others:
+            if verdict.others and self.world.rank == 0:
                 log.warning("replica groups %s train something else: refused, going on "
                             "without them", list(verdict.others))
             raise GroupsDisagree(verdict.refused or f"refusing replica groups {verdict.others}")
+
+    def _judge_members(self, store_address: str, rank: int, world_size: int) -> Verdict:
+        """Rank 0's part of `_agree`: what every participant trains, and on how many ranks."""
+        from torchft.process_group import create_store_client
+
+        store = create_store_client(f"{store_address}/goodput_identity",
+                                    timeout=timedelta(seconds=self.cfg.timeout_seconds))
+        store.set(str(rank), json.dumps({
+            "replica_id": self.cfg.replica_id, "step": self.manager.current_step(),
+            "config": {**self.identity, RANKS_KEY: str(self.world.world_size)}}))
+        members = [json.loads(store.get(str(r))) for r in range(world_size)]
+        return judge(members, self.cfg.replica_id)
 
     def _note_width(self, participants: int) -> None:
         """Account the time since the last quorum as degraded if fewer groups than
@@ -506,24 +554,25 @@ class FaultTolerantReplicas(Replicas):
         self.manager.shutdown(wait=False)
 
 
-def checked(base: type, agree: Callable[[str, int, int], None]) -> type:
+def checked(base: type, agree: Callable[[str, int, int, int], None]) -> type:
     """The torchft process group `base`, calling `agree(store address, replica rank,
-    replica world size)` each time it is configured for a new quorum, before it connects.
-    torchft configures it before any heal, and takes what `agree` raises as the quorum's
+    replica world size, quorum id)` each time it is configured for a new quorum, before it
+    connects. torchft configures it before any heal, and takes what `agree` raises as the quorum's
     error (no heal, no collective in that quorum)."""
 
     class Checked(base):  # type: ignore[misc, valid-type]
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                      *args: Any, **kwargs: Any) -> None:
-            agree(store_addr, rank, world_size)
-            super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+                      quorum_id: int, *args: Any, **kwargs: Any) -> None:
+            agree(store_addr, rank, world_size, quorum_id)
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args,
+                              **kwargs)
 
     return Checked
 
 
 def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
             state_dict: Any, load_state_dict: Any,
-            agree: Callable[[str, int, int], None]) -> Any:
+            agree: Callable[[str, int, int, int], None]) -> Any:
     """A torchft `Manager` for this trainer: it reaches the lighthouse (group rank 0) and the
     store torchrun hosts (or init_world's, outside torchrun). `agree` judges every new
     quorum's members (`checked`)."""
