@@ -19,8 +19,10 @@ without an end: FAILED, at its last metric's time). The model it cannot rebuild:
 the run again logs it (a complete run trains nothing and logs its final model).
 
 The file is input: it is parsed as JSON only, kept to MAX_METRICS metric values (the oldest
-beyond go), lines longer than MAX_LINE are skipped, and an artifact is a plain file name in
-the run's directory, never a path elsewhere.
+beyond go) of at most MAX_RUNS runs and MAX_ARTIFACTS files, lines longer than MAX_LINE are
+skipped unread, a value MLflow would refuse (a step or time beyond 64 bits) is skipped so it
+cannot block the rest, and an artifact is a plain file of the run's directory, never a path
+or a link elsewhere.
 """
 
 from __future__ import annotations
@@ -33,16 +35,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from common.files import atomic_file
 from data.redact import strip_credentials
-from train.sweep_tracking import one_line
+from train.sweep_tracking import CHECK_HTTP_SETTINGS, one_line
 
 FILE = "mlflow_unsent.jsonl"
 MAX_METRICS = 100_000  # ~8 MB on disk, ~20 MB in memory
 MAX_LINE = 2048
 MAX_METRICS_PER_CALL = 1000  # MLflow's batch limit for metrics
+MAX_RUNS = 1000  # a run directory holds one run per launch that had no checkpoint yet
+MAX_ARTIFACTS = 1000
+INT64 = range(-2**63, 2**63)  # what MLflow stores a metric's time and step in
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 MetricRecord = Tuple[str, float, int, int]  # key, value, time (ms), step
@@ -113,20 +118,39 @@ def read(path: Path) -> Unsent:
         f = open(path, "rb")
     except FileNotFoundError:
         return unsent
+    runs: Set[str] = set()
+    artifacts: Set[Tuple[str, str]] = set()  # a set: a file of repeats is read in linear time
     with f:
-        for raw in f:
+        for raw in _lines(f):
             item = _parse(raw)
-            if item is not None:
-                _add(unsent, item)
+            if item is None:
+                continue
+            if item["run"] not in runs:
+                if len(runs) >= MAX_RUNS:
+                    continue
+                runs.add(item["run"])
+            _add(unsent, item, artifacts)
     return unsent
 
 
+def _lines(f: Any) -> Iterator[bytes]:
+    """The file's lines up to MAX_LINE bytes; a longer one (a file of garbage without a
+    newline) is skipped a chunk at a time, never held whole."""
+    while True:
+        raw = f.readline(MAX_LINE + 1)
+        if not raw:
+            return
+        if len(raw) <= MAX_LINE:
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(1 << 16)
+
+
 def _parse(raw: bytes) -> Optional[Dict[str, Any]]:
-    if len(raw) > MAX_LINE:
-        return None
     try:
         item = json.loads(raw)
-    except ValueError:  # a torn last line
+    except (ValueError, RecursionError):  # a torn last line; nesting too deep to parse
         return None
     if not isinstance(item, dict) or not _is_run_id(item.get("run")):
         return None
@@ -137,19 +161,24 @@ def _is_run_id(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= 64 and value.isalnum()
 
 
-def _add(unsent: Unsent, item: Dict[str, Any]) -> None:
+def _is_int64(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value in INT64
+
+
+def _add(unsent: Unsent, item: Dict[str, Any], artifacts: Set[Tuple[str, str]]) -> None:
     run = item["run"]
     if isinstance(item.get("uri"), str):
         unsent.uri = strip_credentials(item["uri"])
     metric = item.get("metric")
     if (isinstance(metric, list) and len(metric) == 4 and isinstance(metric[0], str)
-            and len(metric[0]) <= 250 and isinstance(metric[1], (int, float))
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in metric[2:])):
+            and len(metric[0]) <= 250 and (isinstance(metric[1], float) or _is_int64(metric[1]))
+            and all(_is_int64(v) for v in metric[2:])):
         unsent.add_metrics(run, [(metric[0], float(metric[1]), metric[2], metric[3])])
     name = item.get("artifact")
-    if isinstance(name, str) and name == Path(name).name and name not in ("", ".", ".."):
-        if (run, name) not in unsent.artifacts:
-            unsent.artifacts.append((run, name))
+    if (isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..")
+            and (run, name) not in artifacts and len(artifacts) < MAX_ARTIFACTS):
+        unsent.artifacts.append((run, name))
+        artifacts.add((run, name))
     if item.get("model") is True and run not in unsent.models:
         unsent.models.append(run)
     end = item.get("end")
@@ -174,7 +203,7 @@ def send(client: Any, unsent: Unsent, run_dir: Path, finish: Iterable[str]) -> i
         sent += len(batch)
     while unsent.artifacts:
         run, name = unsent.artifacts[0]
-        if (run_dir / name).is_file():
+        if _in_run_dir(run_dir / name, run_dir):
             client.log_artifact(run, str(run_dir / name))
         unsent.artifacts.pop(0)
     for run in list(finish):
@@ -182,6 +211,13 @@ def send(client: Any, unsent: Unsent, run_dir: Path, finish: Iterable[str]) -> i
         client.set_terminated(run, status, end_time=end_time or _last_time(client, run))
         unsent.ends.pop(run, None)
     return sent
+
+
+def _in_run_dir(path: Path, run_dir: Path) -> bool:
+    """A plain file of the run's directory: a link to a file elsewhere (a key, a config with
+    secrets) is never uploaded."""
+    return path.is_file() and not path.is_symlink() and \
+        path.resolve().parent == run_dir.resolve()
 
 
 def _leading(records: Deque[Tuple[str, MetricRecord]], run: str,
@@ -222,9 +258,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not uri:
         print(f"error: {path} names no store: pass --tracking-uri URI", file=sys.stderr)
         return 2
+    for name, value in CHECK_HTTP_SETTINGS.items():  # a store that is down: seconds, not
+        os.environ.setdefault(name, value)           # MLflow's 4 minutes of retries
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=uri)
+    try:
+        client = mlflow.MlflowClient(tracking_uri=uri)
+    except Exception as err:  # noqa: BLE001  a scheme or path MLflow cannot open
+        print(f"error: {strip_credentials(uri)} is no MLflow store MLflow can open "
+              f"({one_line(err)}): fix --tracking-uri", file=sys.stderr)
+        return 2
     runs = sorted({run for run, _ in unsent.metrics} | set(unsent.ends))
     models, count = list(unsent.models), len(unsent.metrics)
     try:
