@@ -314,6 +314,19 @@ def test_a_storage_the_sweep_cannot_use_is_one_line(hydra_sweep_runner, tmp_path
     assert "s3" not in err and "cr3t" not in err, refusal
 
 
+def test_the_study_and_its_results_never_hold_a_password(hydra_sweep_runner, tmp_path) -> None:
+    """A fixed override with a URL's password (a data source): the jobs get it as typed; the
+    study's stored trials and optimization_results.yaml do not."""
+    with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "hydra.sweeper.n_trials=2",
+                   "+source=http://user:s3cret@127.0.0.1/data") as sweep:
+        assert {r.cfg.source for batch in sweep.returns for r in batch} == {
+            "http://user:s3cret@127.0.0.1/data"}
+        kept = results(sweep)
+    assert b"s3cret" not in (tmp_path / "optuna.log").read_bytes()
+    assert "s3cret" not in OmegaConf.to_yaml(kept)
+    assert "+source=http://127.0.0.1/data" in kept.best_overrides
+
+
 def test_a_failed_jobs_overrides_are_not_printed(hydra_sweep_runner, tmp_path, capsys) -> None:
     """Hydra prints a failed job's overrides verbatim where its return value is read: a
     password in a URL with them."""

@@ -391,10 +391,10 @@ class OptunaSweeperImpl:
                              f"which the sweep also fixes: drop one of them")
         keys = list(space) + [key for key in trial.params if key not in space]
         overrides = [as_override(key, trial.params[key]) for key in keys] + fixed
-        for line in fixed:  # as hydra-optuna-sweeper records them
+        for line in fixed:  # as hydra-optuna-sweeper records them, credentials out
             key, _, value = line.partition("=")
-            trial.set_user_attr(key, value)
-        trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr(key, strip_credentials(value))
+        trial.set_user_attr("overrides", [strip_credentials(o) for o in overrides])
         return overrides
 
     def tell(self, study: optuna.Study, trial: Trial, result: JobReturn,
