@@ -447,6 +447,39 @@ def test_the_unsent_file_stays_bounded(tmp_path: Path) -> None:
     assert len(again.metrics) == unsent.MAX_METRICS and again.metrics[-1][1] == ("m", 1.0, 1, 1)
 
 
+def test_python_m_train_unsent_leaves_a_live_run_alone(
+        store_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Run beside the trainer that kept the file (its store down), it ended that live run
+    FAILED and sent what the trainer sends again itself: refused, one line, exit 2."""
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+    from train.runlock import LOCK_FILE
+
+    client = MlflowClient(tracking_uri=store_uri)
+    run_id = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
+    kept = unsent.Unsent(uri=store_uri)
+    kept.add_metrics(run_id, [("train/loss", 1.0, 1, 1)])
+    unsent.write(tmp_path / unsent.FILE, kept)
+    before = (tmp_path / unsent.FILE).read_bytes()
+    holder = subprocess.Popen(  # a trainer's lock, as rank 0 holds it once started
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
+         "os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_SH); print('held', flush=True); "
+         "sys.stdin.read()", str(tmp_path / LOCK_FILE)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert unsent.main([str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is live" in err[0], err
+    finally:
+        holder.communicate("")
+    assert (tmp_path / unsent.FILE).read_bytes() == before
+    assert client.get_run(run_id).info.status == "RUNNING"
+    assert unsent.main([str(tmp_path)]) == 0  # its trainer gone: sent, and ended
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
 def test_a_hostile_unsent_file_is_read_in_bounded_memory_and_never_raises(
         tmp_path: Path) -> None:
     """What a crash or an attacker can leave: nesting too deep to parse, numbers beyond what

@@ -15,7 +15,8 @@ sent; the next launch of the run sends what it holds, and so does
     python -m train.unsent RUN_DIR [--tracking-uri URI]
 
 which then ends each run with its recorded status and end time (a run whose process died
-without an end: FAILED, at its last metric's time). The model it cannot rebuild: launching
+without an end: FAILED, at its last metric's time). It holds the run's lock meanwhile, and is
+refused while a trainer of the run lives (that trainer sends what it kept itself). The model it cannot rebuild: launching
 the run again logs it (a complete run trains nothing and logs its final model).
 
 The file is input: it is parsed as JSON only, kept to MAX_METRICS metric values (the oldest
@@ -28,10 +29,12 @@ or a link elsewhere.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -253,6 +256,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not path.is_file():
         print(f"nothing unsent in {args.run_dir} (no {FILE})")
         return 0
+    with run_lock(args.run_dir) as holder:
+        if holder:  # it would end a live run FAILED, and send what that run sends itself
+            print(f"error: the run in {args.run_dir} is live ({holder}): it sends what it "
+                  f"kept once the store answers; run this only after it ended",
+                  file=sys.stderr)
+            return 2
+        return _send_kept(args, path)
+
+
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[Optional[str]]:
+    """The run's lock (train/runlock.py) for the block, so that no trainer of the run starts
+    meanwhile; yields None, or the live trainer that holds it, in words."""
+    import fcntl
+
+    from train.runlock import LOCK_FILE, describe_holder
+
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            yield describe_holder(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+            return
+        yield None
+    finally:
+        os.close(fd)  # which drops the lock
+
+
+def _send_kept(args: argparse.Namespace, path: Path) -> int:
     unsent = read(path)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or unsent.uri
     if not uri:
