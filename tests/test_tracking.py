@@ -480,6 +480,40 @@ def test_python_m_train_unsent_leaves_a_live_run_alone(
     assert client.get_run(run_id).info.status == "FAILED"
 
 
+def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
+        store_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A metric name MLflow does not allow, a run deleted meanwhile, a run id the store never
+    had: each was kept and sent again forever, and every value after it waited behind it
+    (the run's own, and its end), as if the store were down for good."""
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+
+    client = MlflowClient(tracking_uri=store_uri)
+    experiment = open_experiment(client, "goodput-trainer")
+    live, deleted = (client.create_run(experiment).info.run_id for _ in range(2))
+    client.delete_run(deleted)
+    nowhere = "f" * 32
+    kept = unsent.Unsent(uri=store_uri)
+    kept.add_metrics(live, [("train/loss", 1.0, 1_000, 1), ("bad!name", 2.0, 1_001, 1),
+                            ("train/loss", 3.0, 1_002, 2)])
+    for run in (deleted, nowhere):
+        kept.add_metrics(run, [("train/loss", 1.0, 1_000, 1)])
+        kept.ends[run] = ("FINISHED", 2_000)
+    kept.ends[live] = ("FINISHED", 3_000)
+    unsent.write(tmp_path / unsent.FILE, kept)
+    with caplog.at_level(logging.WARNING, logger="train.unsent"):
+        assert unsent.main([str(tmp_path)]) == 0, capsys.readouterr().err
+    assert sorted((m.step, m.value) for m in client.get_metric_history(live, "train/loss")) \
+        == [(1, 1.0), (2, 3.0)]
+    assert (client.get_run(live).info.status, client.get_run(live).info.end_time) == (
+        "FINISHED", 3_000)
+    assert not (tmp_path / unsent.FILE).exists()
+    warned = " ".join(r.getMessage() for r in our_records(caplog) if r.name == "train.unsent")
+    assert "bad!name" in warned and deleted in warned and nowhere in warned, warned
+
+
 def test_a_hostile_unsent_file_is_read_in_bounded_memory_and_never_raises(
         tmp_path: Path) -> None:
     """What a crash or an attacker can leave: nesting too deep to parse, numbers beyond what

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import sys
 from collections import deque
@@ -44,6 +45,7 @@ from common.files import atomic_file
 from data.redact import strip_credentials
 from train.sweep_tracking import CHECK_HTTP_SETTINGS, one_line
 
+log = logging.getLogger(__name__)
 FILE = "mlflow_unsent.jsonl"
 MAX_METRICS = 100_000  # ~8 MB on disk, ~20 MB in memory
 MAX_LINE = 2048
@@ -193,27 +195,88 @@ def _add(unsent: Unsent, item: Dict[str, Any], artifacts: Set[Tuple[str, str]]) 
 def send(client: Any, unsent: Unsent, run_dir: Path, finish: Iterable[str]) -> int:
     """Send `unsent` through `client`, taking off what the store took (a failure raises and
     leaves the rest); then end each run of `finish` as it ended (or FAILED at its last
-    metric's time). Returns the number of metric values sent."""
+    metric's time). What the store refuses, rather than fails to take (a metric name it does
+    not allow, a run deleted or not there), is dropped with a warning: kept, it would fail
+    every send after it, as if the store were down for good. Returns the number of metric
+    values sent."""
     from mlflow.entities import Metric
 
-    sent = 0
+    sent, gone = 0, set()  # gone: runs the store does not have (any more)
     while unsent.metrics:
         run = unsent.metrics[0][0]
         batch = list(_leading(unsent.metrics, run, MAX_METRICS_PER_CALL))
-        client.log_batch(run, metrics=[Metric(k, v, t, s) for _, (k, v, t, s) in batch])
+        try:
+            client.log_batch(run, metrics=[Metric(k, v, t, s) for _, (k, v, t, s) in batch])
+        except Exception as err:
+            if not _refused(err):
+                raise
+            if not _takes(client, run, err, unsent, gone):
+                continue
+            batch = batch[:1]  # one at a time, to find those it refuses
+            try:
+                client.log_batch(run, metrics=[Metric(*batch[0][1])])
+            except Exception as one:
+                if not _refused(one):
+                    raise
+                log.warning("MLflow store refused run %s's metric %s (%s): dropped", run,
+                            ascii(batch[0][1][0][:80]), one_line(one))
+                unsent.metrics.popleft()
+                continue
         for _ in batch:
             unsent.metrics.popleft()
         sent += len(batch)
     while unsent.artifacts:
         run, name = unsent.artifacts[0]
         if _in_run_dir(run_dir / name, run_dir):
-            client.log_artifact(run, str(run_dir / name))
+            try:
+                client.log_artifact(run, str(run_dir / name))
+            except Exception as err:
+                if not _refused(err):
+                    raise
+                if not _takes(client, run, err, unsent, gone):
+                    continue  # it went with the rest of its run's
+                log.warning("MLflow store refused run %s's file %s (%s): dropped", run,
+                            ascii(name), one_line(err))
         unsent.artifacts.pop(0)
-    for run in list(finish):
+    for run in [run for run in finish if run not in gone]:
         status, end_time = unsent.ends.get(run, ("FAILED", None))
-        client.set_terminated(run, status, end_time=end_time or _last_time(client, run))
+        try:
+            client.set_terminated(run, status, end_time=end_time or _last_time(client, run))
+        except Exception as err:
+            if not _refused(err):
+                raise
+            if _takes(client, run, err, unsent, gone):
+                log.warning("MLflow store refused to end run %s (%s)", run, one_line(err))
         unsent.ends.pop(run, None)
     return sent
+
+
+# What the store answers when it is up but refuses a request: sending it again fails again.
+REFUSALS = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE",
+            "BAD_REQUEST")
+
+
+def _refused(err: Exception) -> bool:
+    return getattr(err, "error_code", None) in REFUSALS
+
+
+def _takes(client: Any, run: str, err: Exception, unsent: Unsent, gone: Set[str]) -> bool:
+    """Whether `run` is a live run of the store, after it refused something of it; if not,
+    all that is kept for it goes (with a warning), and it joins `gone`."""
+    try:
+        if client.get_run(run).info.lifecycle_stage == "active":
+            return True
+    except Exception as lookup:
+        if not _refused(lookup):
+            raise
+    log.warning("MLflow store refused run %s (%s): it is deleted or not there, so what was "
+                "kept for it is dropped", run, one_line(err))
+    unsent.metrics = deque(item for item in unsent.metrics if item[0] != run)
+    unsent.artifacts = [item for item in unsent.artifacts if item[0] != run]
+    unsent.models = [item for item in unsent.models if item != run]
+    unsent.ends.pop(run, None)
+    gone.add(run)
+    return False
 
 
 def _in_run_dir(path: Path, run_dir: Path) -> bool:
