@@ -514,6 +514,26 @@ def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
     assert "bad!name" in warned and deleted in warned and nowhere in warned, warned
 
 
+def test_a_run_deleted_while_it_trains_is_one_warning_and_nothing_is_kept(
+        store_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
+    with caplog.at_level(logging.WARNING):
+        with tracker.run("r", OmegaConf.create({"a": 1}), run_dir=tmp_path) as run_id:
+            tracker.log_metrics({"train/loss": 1.0}, step=1)
+            MlflowClient(tracking_uri=store_uri).delete_run(run_id)
+            for step in range(2, 6):
+                tracker.log_metrics({"train/loss": float(step)}, step=step)
+            (tmp_path / "goodput.json").write_text("{}")
+            tracker.log_files([tmp_path / "goodput.json"])
+    warned = [r.getMessage() for r in our_records(caplog)]
+    assert len(warned) == 1 and "deleted or not there" in warned[0], warned
+    assert not (tmp_path / unsent.FILE).exists()
+
+
 def test_a_hostile_unsent_file_is_read_in_bounded_memory_and_never_raises(
         tmp_path: Path) -> None:
     """What a crash or an attacker can leave: nesting too deep to parse, numbers beyond what

@@ -256,6 +256,14 @@ REFUSALS = ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE
             "BAD_REQUEST")
 
 
+_DROPPED: Set[str] = set()  # the runs this process was told are gone
+
+
+def gone(run: Optional[str]) -> bool:
+    """Whether the store told this process that `run` is deleted or not there."""
+    return run in _DROPPED
+
+
 def _refused(err: Exception) -> bool:
     return getattr(err, "error_code", None) in REFUSALS
 
@@ -269,8 +277,10 @@ def _takes(client: Any, run: str, err: Exception, unsent: Unsent, gone: Set[str]
     except Exception as lookup:
         if not _refused(lookup):
             raise
-    log.warning("MLflow store refused run %s (%s): it is deleted or not there, so what was "
-                "kept for it is dropped", run, one_line(err))
+    if run not in _DROPPED:  # a live run deleted in the UI: said once, not at every step
+        log.warning("MLflow store refused run %s (%s): it is deleted or not there, so what "
+                    "is kept for it, now and later, is dropped", run, one_line(err))
+        _DROPPED.add(run)
     unsent.metrics = deque(item for item in unsent.metrics if item[0] != run)
     unsent.artifacts = [item for item in unsent.artifacts if item[0] != run]
     unsent.models = [item for item in unsent.models if item != run]
