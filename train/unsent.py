@@ -16,8 +16,9 @@ sent; the next launch of the run sends what it holds, and so does
 
 which then ends each run with its recorded status and end time (a run whose process died
 without an end: FAILED, at its last metric's time). It holds the run's lock meanwhile, and is
-refused while a trainer of the run lives (that trainer sends what it kept itself). The model it cannot rebuild: launching
-the run again logs it (a complete run trains nothing and logs its final model).
+refused while a trainer of the run lives (that trainer sends what it kept itself). The model
+it cannot rebuild: launching the run again logs it (a complete run trains nothing and logs
+its final model).
 
 The file is input: it is parsed as JSON only, kept to MAX_METRICS metric values (the oldest
 beyond go) of at most MAX_RUNS runs and MAX_ARTIFACTS files, lines longer than MAX_LINE are
