@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -483,8 +484,8 @@ def test_python_m_train_unsent_leaves_a_live_run_alone(
 def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
         store_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture,
         caplog: pytest.LogCaptureFixture) -> None:
-    """A metric name MLflow does not allow, a run deleted meanwhile, a run id the store never
-    had: each was kept and sent again forever, and every value after it waited behind it
+    """A metric name MLflow does not allow, a run deleted meanwhile: each was kept and sent
+    again forever, and every value after it waited behind it
     (the run's own, and its end), as if the store were down for good."""
     from mlflow.tracking import MlflowClient
 
@@ -503,6 +504,15 @@ def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
         kept.ends[run] = ("FINISHED", 2_000)
     kept.ends[live] = ("FINISHED", 3_000)
     unsent.write(tmp_path / unsent.FILE, kept)
+    before = (tmp_path / unsent.FILE).read_bytes()
+    # a run the store never had: most likely the wrong store, so nothing is dropped
+    assert unsent.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and nowhere in err[0] and "--tracking-uri" in err[0], err
+    assert (tmp_path / unsent.FILE).read_bytes() == before
+    kept.metrics = deque(item for item in kept.metrics if item[0] != nowhere)
+    del kept.ends[nowhere]
+    unsent.write(tmp_path / unsent.FILE, kept)
     with caplog.at_level(logging.WARNING, logger="train.unsent"):
         assert unsent.main([str(tmp_path)]) == 0, capsys.readouterr().err
     assert sorted((m.step, m.value) for m in client.get_metric_history(live, "train/loss")) \
@@ -511,7 +521,7 @@ def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
         "FINISHED", 3_000)
     assert not (tmp_path / unsent.FILE).exists()
     warned = " ".join(r.getMessage() for r in our_records(caplog) if r.name == "train.unsent")
-    assert "bad!name" in warned and deleted in warned and nowhere in warned, warned
+    assert "bad!name" in warned and deleted in warned, warned
 
 
 def test_a_run_deleted_while_it_trains_is_one_warning_and_nothing_is_kept(

@@ -313,6 +313,16 @@ def _last_time(client: Any, run: str) -> Optional[int]:
     return max(t for t in times if t is not None) if any(times) else None
 
 
+def _missing(client: Any, run: str) -> bool:
+    try:
+        client.get_run(run)
+        return False
+    except Exception as err:
+        if getattr(err, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
+            return True
+        raise
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """`python -m train.unsent RUN_DIR`: send what the store did not take, end the runs."""
     parser = argparse.ArgumentParser(
@@ -380,6 +390,14 @@ def _send_kept(args: argparse.Namespace, path: Path) -> int:
     runs = sorted({run for run, _ in unsent.metrics} | set(unsent.ends))
     models, count = list(unsent.models), len(unsent.metrics)
     try:
+        missing = [run for run in sorted(set(runs) | {run for run, _ in unsent.artifacts})
+                   if _missing(client, run)]
+        if missing:  # the wrong store, most likely: sending would drop what is kept for them
+            print(f"error: run(s) {', '.join(missing)} of {path} are not in the MLflow store "
+                  f"{strip_credentials(uri)} (the file names {unsent.uri or 'none'}): give "
+                  f"the store the run logged to with --tracking-uri; the file is kept",
+                  file=sys.stderr)
+            return 2
         sent = send(client, unsent, args.run_dir, runs)
     except Exception as err:  # noqa: BLE001  any failure of the store means the same
         write(path, unsent)
