@@ -287,26 +287,44 @@ def test_best_overrides_run_the_best_job_on_its_own(hydra_sweep_runner, tmp_path
     assert not math.isnan(returned.best_value)
 
 
-@pytest.mark.parametrize("case", ["journal", "directions"])
+@pytest.mark.parametrize("case", ["journal", "directions", "password"])
 def test_a_storage_the_sweep_cannot_use_is_one_line(hydra_sweep_runner, tmp_path, capsys,
                                                     case) -> None:
     """(The trainer's own cases, a corrupt, locked or foreign sqlite file and a missing
-    driver, are in test_optuna_sweeper_cli.py.)"""
+    driver, are in test_optuna_sweeper_cli.py.) A password holding a `/` (AWS secret keys
+    do) is never shown, nor any part of it."""
     journal = tmp_path / "optuna.log"
+    storage = stored(tmp_path)
     if case == "journal":
         journal.write_text("{not a journal\n")
-    else:
+    elif case == "directions":
         optuna.create_study(study_name="s", direction="maximize", storage=optuna.storages.
                             JournalStorage(optuna.storages.journal.JournalFileBackend(
                                 str(journal))))
+    else:
+        storage = ["hydra.sweeper.storage=mysql://sweeper:s3/cr3t@127.0.0.1:1/optuna"]
     with pytest.raises(SystemExit) as ended:
-        with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path)):
+        with run_sweep(hydra_sweep_runner, tmp_path, *storage):
             pass
     err = capsys.readouterr().err
     refusal = [line for line in err.splitlines() if line.startswith("error: ")]
     assert ended.value.code == 2 and len(refusal) == 1 and "Traceback" not in err
-    assert refusal[0].startswith("error: hydra.sweeper.storage=" if case == "journal" else
+    assert refusal[0].startswith("error: hydra.sweeper.storage=" if case != "directions" else
                                  "error: hydra.sweeper.direction=['minimize']: study s in ")
+    assert "s3" not in err and "cr3t" not in err, refusal
+
+
+def test_the_study_and_its_results_never_hold_a_password(hydra_sweep_runner, tmp_path) -> None:
+    """A fixed override with a URL's password (a data source): the jobs get it as typed; the
+    study's stored trials and optimization_results.yaml do not."""
+    with run_sweep(hydra_sweep_runner, tmp_path, *stored(tmp_path), "hydra.sweeper.n_trials=2",
+                   "+source=http://user:s3cret@127.0.0.1/data") as sweep:
+        assert {r.cfg.source for batch in sweep.returns for r in batch} == {
+            "http://user:s3cret@127.0.0.1/data"}
+        kept = results(sweep)
+    assert b"s3cret" not in (tmp_path / "optuna.log").read_bytes()
+    assert "s3cret" not in OmegaConf.to_yaml(kept)
+    assert "+source=http://127.0.0.1/data" in kept.best_overrides
 
 
 def test_a_failed_jobs_overrides_are_not_printed(hydra_sweep_runner, tmp_path, capsys) -> None:

@@ -128,7 +128,8 @@ def test_every_sweep_keeps_its_own_record_and_a_complete_job_reports_what_it_rea
 
 def test_a_sweep_record_lists_each_job_once_and_one_that_never_returned_as_running(tmp_path):
     """Job lines from parallel processes, a job that exited the process (SystemExit skips
-    Hydra's job-end callback) and a line torn by a kill."""
+    Hydra's job-end callback), a line torn by a kill, and lines that parse but are no job's
+    (one of them made Hydra drop the whole record with a warning)."""
     from train.sweep_record import read_jobs, swept_keys
 
     start = {"event": "start", "run_name": "r", "dir": "d", "overrides": [],
@@ -137,7 +138,10 @@ def test_a_sweep_record_lists_each_job_once_and_one_that_never_returned_as_runni
              {**start, "job": 0, "event": "end", "status": "COMPLETED", "objective": 0.5,
               "time": "t1"}]
     path = tmp_path / "jobs.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"job": 2, "ev')
+    odd = ["{}", "[1]", '"x"', '{"job": null, "time": "t"}', '{"job": 1e400, "time": "t"}',
+           '{"job": 3, "event": "end"}', '{"job": true, "time": "t"}', "[" * 5000]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + "\n".join(odd)
+                    + '\n{"job": 2, "ev')
     jobs = read_jobs(path)
     assert [(j["job"], j["status"], j["objective"], j["started"], j.get("ended"))
             for j in jobs] == [(0, "COMPLETED", 0.5, "t0", "t1"), (1, "RUNNING", None, "t0",

@@ -4,11 +4,13 @@ warning, and training goes on with the metrics kept until the store answers agai
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -373,6 +375,7 @@ def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
     run_id = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
     (tmp_path / "goodput.json").write_text("{}")
     (tmp_path.parent / "secret.txt").write_text("not the run's")
+    (tmp_path / "notes.txt").symlink_to(tmp_path.parent / "secret.txt")  # a link out
     kept = unsent.Unsent(uri=store_uri)
     kept.add_metrics(run_id, [("train/loss", 1.0 / s, 1_000 + s, s) for s in range(1, 2501)])
     kept.artifacts.append((run_id, "goodput.json"))
@@ -381,6 +384,7 @@ def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
     path = tmp_path / unsent.FILE
     unsent.write(path, kept)
     unsent.append(path, [{"run": run_id, "artifact": "../secret.txt"},
+                         {"run": run_id, "artifact": "notes.txt"},
                          {"run": run_id, "artifact": str(tmp_path.parent / "secret.txt")},
                          {"run": run_id, "metric": ["x", "NaN-string", 1, 1]},
                          {"run": "x' OR 1=1 --", "end": ["FINISHED", 1]},
@@ -406,7 +410,10 @@ def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
 
 
 def test_python_m_train_unsent_keeps_the_file_while_the_store_is_down(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A dead server: one line and exit 1 within the subprocess's timeout under MLflow's
+    default HTTP settings (its own retries took 4 minutes); a URI MLflow cannot open at all:
+    one line and exit 2. The file stays as it was."""
     from train import unsent
 
     kept = unsent.Unsent(uri="http://u:pw@nowhere")
@@ -414,10 +421,17 @@ def test_python_m_train_unsent_keeps_the_file_while_the_store_is_down(
     unsent.write(tmp_path / unsent.FILE, kept)
     before = (tmp_path / unsent.FILE).read_bytes()
     assert b"pw" not in before  # the file never holds the store's credentials
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    assert unsent.main([str(tmp_path), "--tracking-uri", dead_http_uri()]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "1 of 1 metric values still unsent" in err[0], err
+    dead = dead_http_uri().replace("http://", "http://user:s3cret@")
+    result = subprocess.run([sys.executable, "-m", "train.unsent", str(tmp_path),
+                             "--tracking-uri", dead], env=train_env(), capture_output=True,
+                            text=True, timeout=90)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(err) == 1, result.stderr[-3000:]
+    assert "1 of 1 metric values still unsent" in err[0] and "s3cret" not in err[0], err
+    for uri in ("foo://user:s3cret@host", str(tmp_path / "not-a-store")):
+        assert unsent.main([str(tmp_path), "--tracking-uri", uri]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "fix --tracking-uri" in err[0] and "s3cret" not in err[0], err
     assert (tmp_path / unsent.FILE).read_bytes() == before
 
 
@@ -432,6 +446,140 @@ def test_the_unsent_file_stays_bounded(tmp_path: Path) -> None:
     unsent.append(tmp_path / unsent.FILE, [{"run": "a" * 32, "metric": ["m", 1.0, 1, 1]}] * 9)
     again = unsent.read(tmp_path / unsent.FILE)
     assert len(again.metrics) == unsent.MAX_METRICS and again.metrics[-1][1] == ("m", 1.0, 1, 1)
+
+
+def test_python_m_train_unsent_leaves_a_live_run_alone(
+        store_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Run beside the trainer that kept the file (its store down), it ended that live run
+    FAILED and sent what the trainer sends again itself: refused, one line, exit 2."""
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+    from train.runlock import LOCK_FILE
+
+    client = MlflowClient(tracking_uri=store_uri)
+    run_id = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
+    kept = unsent.Unsent(uri=store_uri)
+    kept.add_metrics(run_id, [("train/loss", 1.0, 1, 1)])
+    unsent.write(tmp_path / unsent.FILE, kept)
+    before = (tmp_path / unsent.FILE).read_bytes()
+    holder = subprocess.Popen(  # a trainer's lock, as rank 0 holds it once started
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
+         "os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_SH); print('held', flush=True); "
+         "sys.stdin.read()", str(tmp_path / LOCK_FILE)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert unsent.main([str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is live" in err[0], err
+    finally:
+        holder.communicate("")
+    assert (tmp_path / unsent.FILE).read_bytes() == before
+    assert client.get_run(run_id).info.status == "RUNNING"
+    assert unsent.main([str(tmp_path)]) == 0  # its trainer gone: sent, and ended
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
+        store_uri: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A metric name MLflow does not allow, a run deleted meanwhile: each was kept and sent
+    again forever, and every value after it waited behind it
+    (the run's own, and its end), as if the store were down for good."""
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+
+    client = MlflowClient(tracking_uri=store_uri)
+    experiment = open_experiment(client, "goodput-trainer")
+    live, deleted = (client.create_run(experiment).info.run_id for _ in range(2))
+    client.delete_run(deleted)
+    nowhere = "f" * 32
+    kept = unsent.Unsent(uri=store_uri)
+    kept.add_metrics(live, [("train/loss", 1.0, 1_000, 1), ("bad!name", 2.0, 1_001, 1),
+                            ("train/loss", 3.0, 1_002, 2)])
+    for run in (deleted, nowhere):
+        kept.add_metrics(run, [("train/loss", 1.0, 1_000, 1)])
+        kept.ends[run] = ("FINISHED", 2_000)
+    kept.ends[live] = ("FINISHED", 3_000)
+    unsent.write(tmp_path / unsent.FILE, kept)
+    before = (tmp_path / unsent.FILE).read_bytes()
+    # a run the store never had: most likely the wrong store, so nothing is dropped
+    assert unsent.main([str(tmp_path)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines()  # MLflow's own: INFO
+           if not line.startswith(time.strftime("%Y/"))]
+    assert len(err) == 1 and nowhere in err[0] and "--tracking-uri" in err[0], err
+    assert (tmp_path / unsent.FILE).read_bytes() == before
+    kept.metrics = deque(item for item in kept.metrics if item[0] != nowhere)
+    del kept.ends[nowhere]
+    unsent.write(tmp_path / unsent.FILE, kept)
+    with caplog.at_level(logging.WARNING, logger="train.unsent"):
+        assert unsent.main([str(tmp_path)]) == 0, capsys.readouterr().err
+    assert sorted((m.step, m.value) for m in client.get_metric_history(live, "train/loss")) \
+        == [(1, 1.0), (2, 3.0)]
+    assert (client.get_run(live).info.status, client.get_run(live).info.end_time) == (
+        "FINISHED", 3_000)
+    assert not (tmp_path / unsent.FILE).exists()
+    warned = " ".join(r.getMessage() for r in our_records(caplog) if r.name == "train.unsent")
+    assert "bad!name" in warned and deleted in warned, warned
+
+
+def test_a_run_deleted_while_it_trains_is_one_warning_and_nothing_is_kept(
+        store_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from train import unsent
+
+    tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
+    with caplog.at_level(logging.WARNING):
+        with tracker.run("r", OmegaConf.create({"a": 1}), run_dir=tmp_path) as run_id:
+            tracker.log_metrics({"train/loss": 1.0}, step=1)
+            MlflowClient(tracking_uri=store_uri).delete_run(run_id)
+            for step in range(2, 6):
+                tracker.log_metrics({"train/loss": float(step)}, step=step)
+            (tmp_path / "goodput.json").write_text("{}")
+            tracker.log_files([tmp_path / "goodput.json"])
+    warned = [r.getMessage() for r in our_records(caplog)]
+    assert len(warned) == 1 and "deleted or not there" in warned[0], warned
+    assert not (tmp_path / unsent.FILE).exists()
+
+
+def test_a_hostile_unsent_file_is_read_in_bounded_memory_and_never_raises(
+        tmp_path: Path) -> None:
+    """What a crash or an attacker can leave: nesting too deep to parse, numbers beyond what
+    MLflow stores (they would fail every send after them), a line of 64 MB without a newline,
+    floods of runs and files. Each is skipped; the good lines around them are kept."""
+    import tracemalloc
+
+    from train import unsent
+
+    run = "a" * 32
+    good = json.dumps({"run": run, "metric": ["m", 1.5, 7, 3]}) + "\n"
+    hostile = ['{"run": "%s", "x": %s}\n' % (run, "[" * 2040 + "]" * 2040),
+               '{"run": "%s", "metric": ["m", %s, 1, 1]}\n' % (run, "9" * 400),
+               json.dumps({"run": run, "metric": ["m", 1.0, 1, 2**63]}) + "\n",
+               json.dumps({"run": run, "metric": ["m", 1.0, -2**64, 1]}) + "\n",
+               json.dumps({"run": run, "metric": ["m", True, 1, 1]}) + "\n"]
+    path = tmp_path / unsent.FILE
+    with open(path, "w") as f:
+        f.writelines([good, *hostile])
+        f.write(run * (2 * 1024 * 1024) + "\n")  # 64 MB on one line
+        f.write(good)
+        f.writelines(json.dumps({"run": f"r{i}", "end": ["FAILED", i]}) + "\n"
+                     for i in range(unsent.MAX_RUNS + 5))
+        f.writelines(json.dumps({"run": run, "artifact": f"f{i}"}) + "\n"
+                     for i in range(unsent.MAX_ARTIFACTS + 5))
+    tracemalloc.start()
+    try:
+        kept = unsent.read(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, peak  # the 64 MB line was never held
+    assert list(kept.metrics) == [(run, ("m", 1.5, 7, 3))] * 2
+    assert len(kept.ends) == unsent.MAX_RUNS - 1  # `run` is one of the MAX_RUNS
+    assert len(kept.artifacts) == unsent.MAX_ARTIFACTS
 
 
 def test_what_a_run_kept_is_sent_by_the_next_launch_even_under_a_new_run(

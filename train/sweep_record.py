@@ -88,7 +88,7 @@ class SweepRecord(Callback):
         try:
             sweep = yaml.safe_load((Path(record) / "sweep.yaml").read_text())
             jobs = read_jobs(Path(record) / "jobs.jsonl")
-            parents = [job.pop("mlflow_parent_run_id") for job in jobs]
+            parents = [job.pop("mlflow_parent_run_id", None) for job in jobs]
             sweep.update(ended=stamp(time.time()), mlflow_parent_run_id=next(
                 (p for p in parents if p), None), jobs=jobs)
             write_sweep(Path(record), sweep)
@@ -165,14 +165,18 @@ def append_job(config: DictConfig, fields: Dict[str, Any]) -> None:
 def read_jobs(path: Path) -> List[Dict[str, Any]]:
     """Each job once, by number: its start line updated by its end line, if it has one (a job
     that exited the process, or never returned, stays `status: RUNNING`). A torn line, from a
-    process killed mid-write, is skipped."""
+    process killed mid-write, or one that is no job's line (a hand edit, lines of jobs on NFS
+    that interleaved), is skipped: the others still make the record."""
     jobs: Dict[int, Dict[str, Any]] = {}
     for text in path.read_text().splitlines() if path.exists() else []:
         try:
             line = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
-        number = int(line["job"])
+        if not (isinstance(line, dict) and type(line.get("job")) is int
+                and isinstance(line.get("time"), str)):
+            continue
+        number = line["job"]
         job = jobs.setdefault(number, {"job": number, "status": "RUNNING", "objective": None})
         event = line.pop("event", None)
         if event == "start":

@@ -203,7 +203,7 @@ class MLflowTracker:
             ended = True
         except Exception:  # the store that fails: the end is kept with the rest
             ended = False
-        if sent and ended:
+        if sent and ended or unsent.gone(self.run_id):  # gone: deleted while it trained
             return
         self.unsent.ends[self.run_id] = (status, end_time)
         self._keep()
@@ -352,6 +352,8 @@ class MLflowTracker:
 
     def _queue(self, metrics: Dict[str, float], when_ms: int, step: int) -> None:
         """Metric values join what waits to be sent; while the store fails, the file too."""
+        if unsent.gone(self.run_id):  # deleted while it trains: nowhere to send them
+            return
         lines = self.unsent.add_metrics(self.run_id, [(key, float(value), when_ms, step)
                                                       for key, value in metrics.items()])
         if self.retry_at is not None and self._unsent_file():

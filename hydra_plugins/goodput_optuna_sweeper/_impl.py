@@ -36,6 +36,8 @@ from optuna.distributions import (BaseDistribution, CategoricalDistribution, Flo
                                   IntDistribution)
 from optuna.trial import Trial, TrialState
 
+from data.redact import strip_credentials
+
 log = logging.getLogger(__name__)
 
 # A job that exits with one of these was stopped by a signal: the sweep stops with it.
@@ -147,11 +149,6 @@ def grid_values(key: str, space: BaseDistribution) -> List[Any]:
                      f"range(...), not a continuous interval")
 
 
-def shown(storage: str) -> str:
-    """A storage URL without its password."""
-    return re.sub(r"//([^/@:]*):[^/@]*@", r"//\1:***@", storage)
-
-
 def check_sqlite(storage: str) -> None:
     """Refuse an sqlite file that is not an Optuna study's before Optuna opens it (Optuna's
     own errors blame the Optuna version, or print a traceback)."""
@@ -200,7 +197,7 @@ def open_storage(storage: Optional[Any]) -> Any:
 def storage_errors(storage: Any) -> Iterator[None]:
     """Opening the study: what goes wrong (a database, a driver, a journal, a study of other
     directions) said in one line."""
-    where = f"hydra.sweeper.storage={shown(str(storage))}"
+    where = f"hydra.sweeper.storage={strip_credentials(str(storage))}"
     try:
         yield
     except ImportError as err:  # the database's driver (Optuna re-raises it as its own)
@@ -211,7 +208,7 @@ def storage_errors(storage: Any) -> Iterator[None]:
     except SweepError:
         raise
     except Exception as err:  # a database that is not one, a journal that is not JSON, ...
-        raise SweepError(f"{where}: {shown(one_line(err))}") from err
+        raise SweepError(f"{where}: {strip_credentials(one_line(err))}") from err
 
 
 def one_line(err: BaseException) -> str:
@@ -293,8 +290,8 @@ class OptunaSweeperImpl:
         kept = [d.name.lower() for d in study.directions]
         if kept != directions:  # Optuna would go on in the stored directions, silently
             raise SweepError(f"hydra.sweeper.direction={directions}: study {study.study_name} "
-                             f"in {shown(str(self.storage))} optimizes {kept}: give this sweep "
-                             f"another study_name, or its storage")
+                             f"in {strip_credentials(str(self.storage))} optimizes {kept}: give "
+                             f"this sweep another study_name, or its storage")
         try:
             study.sampler, n_trials = self.sampler_for(study, space)
         except SweepError:
@@ -302,7 +299,8 @@ class OptunaSweeperImpl:
         except Exception as err:  # the sampler's own checks of its options
             raise SweepError(f"hydra.sweeper.sampler: {one_line(err)}") from err
         log.info("Optuna study %s (%s, %d trials so far), %s sampler: %d trials over %s",
-                 study.study_name, shown(str(self.storage or "in memory")), len(study.trials),
+                 study.study_name, strip_credentials(str(self.storage or "in memory")),
+                 len(study.trials),
                  type(study.sampler).__name__, n_trials,
                  ", ".join(f"{key} {dist}" for key, dist in space.items()) or "no parameter")
         sweep_dir = Path(self.config.hydra.sweep.dir)
@@ -393,10 +391,10 @@ class OptunaSweeperImpl:
                              f"which the sweep also fixes: drop one of them")
         keys = list(space) + [key for key in trial.params if key not in space]
         overrides = [as_override(key, trial.params[key]) for key in keys] + fixed
-        for line in fixed:  # as hydra-optuna-sweeper records them
+        for line in fixed:  # as hydra-optuna-sweeper records them, credentials out
             key, _, value = line.partition("=")
-            trial.set_user_attr(key, value)
-        trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr(key, strip_credentials(value))
+        trial.set_user_attr("overrides", [strip_credentials(o) for o in overrides])
         return overrides
 
     def tell(self, study: optuna.Study, trial: Trial, result: JobReturn,
