@@ -49,6 +49,7 @@ from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store, StoreUnavailable
 from common.files import atomic_file
+from data.redact import strip_credentials
 
 MODEL_KEY = "model"
 # The checkpoint's record of the model card (train/app.py): JSON in the `run` header
@@ -223,7 +224,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         source, step = export(args.ckpt, args.out)
     except (ExportError, OSError, StoreUnavailable) as err:  # retrying cannot help
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
+        return 2
+    except Exception as err:  # an object store's client has errors of its own (botocore's)
+        print(f"error: cannot read {args.ckpt} ({strip_credentials(one_line(err))}): check "
+              f"the URL, the endpoint and the credentials", file=sys.stderr)
         return 2
     print(f"exported the model of {source} (step {step}) to {args.out}")
     return 0

@@ -321,3 +321,35 @@ def test_markers_of_different_save_attempts_never_make_a_checkpoint(tmp_path, at
     else:
         with pytest.raises(commit.Incomplete, match="commit markers of different save attempts"):
             commit.verify(store, step_dir.name, 2)
+
+
+@pytest.mark.parametrize("tool", ["verify", "export"])
+def test_verify_and_export_against_a_dead_endpoint_are_one_line_and_exit_2(seaweedfs,
+                                                                           tmp_path, tool):
+    """botocore's own errors (not OSError) reach the command line: one line, no traceback."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [*PYTHON, "-m", f"checkpointing.{tool}", f"s3://{new_bucket(seaweedfs)}/run",
+         *([str(tmp_path / "model.pt")] if tool == "export" else [])],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=train_env(AWS_ENDPOINT_URL=dead, AWS_MAX_ATTEMPTS="1"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot read s3://") \
+        and "EndpointConnectionError" in lines[0], lines
+
+
+@pytest.mark.parametrize("url", ["s3://AKIDLEAK:s3cr3t/with+slash@{bucket}/run",
+                                 "s3://{bucket}/run?X-Amz-Signature=s3cr3t"])
+def test_verify_and_export_refuse_credentials_in_the_url_in_one_line(seaweedfs, tmp_path,
+                                                                     capsys, url):
+    """s3fs takes no key from the URL: it would reach botocore as a bucket name, and its
+    error (with the secret) the terminal. Refused before any request, the secret unshown."""
+    url = url.format(bucket=new_bucket(seaweedfs))
+    assert verify.main([url]) == 2
+    assert export.main([url, str(tmp_path / "model.pt")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 2 and all("holds credentials in its URL" in line for line in lines)
+    assert "s3cr3t" not in captured.out + captured.err and "AKIDLEAK" not in captured.err
