@@ -194,9 +194,17 @@ def export(ckpt: str, out: Path) -> Tuple[str, int]:
         state = load_model_state(Path(store.path(name)))
     else:
         # DCP's reader is for local files: fetch the step, and re-verify the copy so what
-        # is loaded is what was checked.
+        # is loaded is what was checked. Only what the markers list: anyone who can write
+        # to the bucket can put anything more under the prefix (GBs, nested keys).
         with tempfile.TemporaryDirectory(prefix="goodput-export-") as tmp:
-            store.fs.get(store.path(name), os.path.join(tmp, name), recursive=True)
+            _, listed = commit.verified_files(store, name, step, read_contents=False)
+            files = [*listed, *map(commit.marker_name, commit.markers_present(store, name))]
+            unsafe = [f for f in files if f in (".", "..") or os.path.basename(f) != f]
+            if unsafe:
+                raise ExportError(f"{name}'s markers list {unsafe[0]!r}: not a file name")
+            os.makedirs(os.path.join(tmp, name))
+            store.fs.get([store.path(name, f) for f in files],
+                         [os.path.join(tmp, name, f) for f in files])
             try:
                 commit.verify(Store(tmp), name, step)
             except commit.Incomplete as why:

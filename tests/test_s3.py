@@ -353,3 +353,25 @@ def test_verify_and_export_refuse_credentials_in_the_url_in_one_line(seaweedfs, 
     lines = captured.err.strip().splitlines()
     assert len(lines) == 2 and all("holds credentials in its URL" in line for line in lines)
     assert "s3cr3t" not in captured.out + captured.err and "AKIDLEAK" not in captured.err
+
+
+def test_export_from_s3_downloads_only_what_the_markers_list(seaweedfs, s3_run, tmp_path,
+                                                            capsys):
+    """Objects planted beside a checkpoint (another writer, a console upload: big files,
+    nested keys) are never fetched: the server's log shows no GET of them."""
+    bucket, fs = s3_run["bucket"], client(seaweedfs)
+    step = f"{bucket}/planted/step_000000012"
+    fs.copy(f"{bucket}/run/step_000000012", step, recursive=True)
+    for key in ("junk.bin", "nested/deeper/junk.bin", "__9_9.distcp"):
+        fs.pipe_file(f"{step}/{key}", b"\0" * 4096)
+    offset = log_size(seaweedfs)
+    out = tmp_path / "model.safetensors"
+    assert export.main([f"s3://{bucket}/planted", str(out)]) == 0, capsys.readouterr().err
+    with open(seaweedfs.root / "weed.log", "rb") as f:
+        f.seek(offset)
+        gets = re.findall(r'" GET "(/[^"?]+)"', f.read().decode(errors="replace"))
+    assert f"/{step}/.metadata" in gets  # the log does show what was fetched
+    assert not [g for g in gets if "junk" in g or "__9_9" in g], gets
+    exported = load_file(out)
+    assert exported and all(
+        exported[k].equal(s3_run["contents"][f"model.{k}"]) for k in exported)
