@@ -19,6 +19,7 @@ import s3fs  # the test extra installs it: without it these tests fail, never sk
 from safetensors.torch import load_file
 
 from checkpointing import commit, export, verify
+from checkpointing.checksums import WRITE_ALGORITHM, marker_entry
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
 from support.checkpoints import assert_same_contents, checkpoint_contents
@@ -375,3 +376,22 @@ def test_export_from_s3_downloads_only_what_the_markers_list(seaweedfs, s3_run, 
     exported = load_file(out)
     assert exported and all(
         exported[k].equal(s3_run["contents"][f"model.{k}"]) for k in exported)
+
+
+@pytest.mark.parametrize("forged", ["beyond the world", "another rank's name"])
+def test_a_forged_marker_with_the_right_attempt_never_vouches_for_its_files(tmp_path, forged):
+    """The attempt sits in every real marker for anyone to copy, as on an object store
+    where nothing but verification separates a writer's objects from the checkpoint's."""
+    root, _ = two_checkpoints(tmp_path)
+    step_dir = root / "step_000000002"
+    body = json.loads((step_dir / "commit_rank_0.json").read_text())
+    planted = b"planted"
+    (step_dir / "extra.distcp").write_bytes(planted)
+    store = Store(str(root))
+    entry = marker_entry(len(planted), WRITE_ALGORITHM,
+                         store.checksum(str(step_dir / "extra.distcp"), WRITE_ALGORITHM))
+    forged_body = {**body, "rank": 1 if forged == "beyond the world" else 0,
+                   "files": {"extra.distcp": entry}}
+    (step_dir / "commit_rank_1.json").write_text(json.dumps(forged_body))
+    with pytest.raises(commit.Incomplete, match="commit_rank_1.json is not the marker of rank 1"):
+        commit.verify(store, step_dir.name, 2)
