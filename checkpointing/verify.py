@@ -5,7 +5,8 @@ fsspec URL) is verified against its commit markers' sizes and checksums (XXH3-64
 in markers of earlier versions), newest step first; attempts that never committed
 (`.step_X.partial-*`, `.step_X.replaced-*`) are listed as ignored, since resume never reads
 them. Exit code 0 when the newest checkpoint is complete, 1 otherwise (including no
-checkpoint at all), 2 when DIR does not exist.
+checkpoint at all), 2 when DIR does not exist or cannot be read (a dead endpoint, a
+URL holding credentials: those belong in the storage's environment variables).
 
     $ python -m checkpointing.verify outputs/resnet/checkpoints
     step_000000200  complete  (2 files, 134.2 MB, world size 1)
