@@ -60,6 +60,11 @@ class Store:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = os.path.abspath(self.root)
+        elif "//" in self.root.rstrip("/"):
+            # A key's "//" is an empty name, not "/": SeaweedFS lists `b//run` as `b/run` but
+            # reads only the literal key, so a save there waits for markers it never sees
+            raise StoreUnavailable(f"{self.url} has an empty path segment ('//'): write it "
+                                   f"with single slashes")
         # A directory renames in one step only on a file system; an object store "renames" a
         # prefix by copying and deleting each object, which can fail halfway
         self.renames = self.is_local

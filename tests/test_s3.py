@@ -395,3 +395,18 @@ def test_a_forged_marker_with_the_right_attempt_never_vouches_for_its_files(tmp_
     (step_dir / "commit_rank_1.json").write_text(json.dumps(forged_body))
     with pytest.raises(commit.Incomplete, match="commit_rank_1.json is not the marker of rank 1"):
         commit.verify(store, step_dir.name, 2)
+
+
+@pytest.mark.parametrize("url", ["s3://{bucket}//run", "s3://{bucket}/a//run/"])
+def test_an_object_store_url_with_a_double_slash_is_one_line_and_exit_2(seaweedfs, capsys,
+                                                                         url):
+    """Seen with SeaweedFS: a save to `s3://b//run` hung until the commit timeout (listings
+    drop the empty segment, reads keep it), and verify called its own checkpoints
+    unreadable."""
+    url = url.format(bucket=new_bucket(seaweedfs))
+    with pytest.raises(ValueError, match=r"has an empty path segment \('//'\)"):
+        CheckpointManager(CheckpointOptions(dir=url))
+    assert verify.main([url]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {url} has an empty path segment ('//'): write it with single slashes"]
+    assert Store(f"s3://{url.split('/')[2]}/run/").root.endswith("/run")  # a trailing "/" is fine
