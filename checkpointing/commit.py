@@ -131,6 +131,11 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
             raise Incomplete(f"{name} belongs to step {marker_step}")
         if marker_world < 1:
             raise Incomplete(f"{name} says world size {marker_world}")
+        if rank >= marker_world or body.get("rank") != rank:
+            # The attempt is in every real marker for anyone to copy: a marker beyond the
+            # world, or under another rank's name, was planted, and would vouch for its files
+            raise Incomplete(f"{name} is not the marker of rank {rank} of a world of "
+                             f"{marker_world}")
         if world_size not in (None, marker_world):
             raise Incomplete("commit markers disagree on the world size")
         world_size = marker_world

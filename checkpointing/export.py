@@ -49,6 +49,7 @@ from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store, StoreUnavailable
 from common.files import atomic_file
+from data.redact import strip_credentials
 
 MODEL_KEY = "model"
 # The checkpoint's record of the model card (train/app.py): JSON in the `run` header
@@ -193,9 +194,17 @@ def export(ckpt: str, out: Path) -> Tuple[str, int]:
         state = load_model_state(Path(store.path(name)))
     else:
         # DCP's reader is for local files: fetch the step, and re-verify the copy so what
-        # is loaded is what was checked.
+        # is loaded is what was checked. Only what the markers list: anyone who can write
+        # to the bucket can put anything more under the prefix (GBs, nested keys).
         with tempfile.TemporaryDirectory(prefix="goodput-export-") as tmp:
-            store.fs.get(store.path(name), os.path.join(tmp, name), recursive=True)
+            _, listed = commit.verified_files(store, name, step, read_contents=False)
+            files = [*listed, *map(commit.marker_name, commit.markers_present(store, name))]
+            unsafe = [f for f in files if f in (".", "..") or os.path.basename(f) != f]
+            if unsafe:
+                raise ExportError(f"{name}'s markers list {unsafe[0]!r}: not a file name")
+            os.makedirs(os.path.join(tmp, name))
+            store.fs.get([store.path(name, f) for f in files],
+                         [os.path.join(tmp, name, f) for f in files])
             try:
                 commit.verify(Store(tmp), name, step)
             except commit.Incomplete as why:
@@ -223,7 +232,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         source, step = export(args.ckpt, args.out)
     except (ExportError, OSError, StoreUnavailable) as err:  # retrying cannot help
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
+        return 2
+    except Exception as err:  # an object store's client has errors of its own (botocore's)
+        print(f"error: cannot read {args.ckpt} ({strip_credentials(one_line(err))}): check "
+              f"the URL, the endpoint and the credentials", file=sys.stderr)
         return 2
     print(f"exported the model of {source} (step {step}) to {args.out}")
     return 0

@@ -20,6 +20,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from checkpointing.checksums import checksum_of
+from data.redact import strip_credentials
 from common.files import CHUNK, atomic_write, fsync_dir
 from common.retry import retry
 
@@ -45,6 +46,10 @@ class Store:
         """`storage_options`: fsspec's options for the URL's filesystem (an S3-compatible
         endpoint, credentials, ...), as `fsspec.open` takes them."""
         self.url = str(url)
+        if strip_credentials(self.url) != self.url:  # every error and log line would show them
+            raise StoreUnavailable(f"{strip_credentials(self.url)} holds credentials in its "
+                                   f"URL: pass them in the storage's environment variables "
+                                   f"(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...) instead")
         self.storage_options = dict(storage_options or {})
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
@@ -55,6 +60,11 @@ class Store:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = os.path.abspath(self.root)
+        elif "//" in self.root.rstrip("/"):
+            # A key's "//" is an empty name, not "/": SeaweedFS lists `b//run` as `b/run` but
+            # reads only the literal key, so a save there waits for markers it never sees
+            raise StoreUnavailable(f"{self.url} has an empty path segment ('//'): write it "
+                                   f"with single slashes")
         # A directory renames in one step only on a file system; an object store "renames" a
         # prefix by copying and deleting each object, which can fail halfway
         self.renames = self.is_local

@@ -5,7 +5,8 @@ fsspec URL) is verified against its commit markers' sizes and checksums (XXH3-64
 in markers of earlier versions), newest step first; attempts that never committed
 (`.step_X.partial-*`, `.step_X.replaced-*`) are listed as ignored, since resume never reads
 them. Exit code 0 when the newest checkpoint is complete, 1 otherwise (including no
-checkpoint at all), 2 when DIR does not exist.
+checkpoint at all), 2 when DIR does not exist or cannot be read (a dead endpoint, a
+URL holding credentials: those belong in the storage's environment variables).
 
     $ python -m checkpointing.verify outputs/resnet/checkpoints
     step_000000200  complete  (2 files, 134.2 MB, world size 1)
@@ -21,6 +22,7 @@ from typing import List, Optional, Tuple
 
 from checkpointing import commit
 from checkpointing.storage import Store, StoreUnavailable
+from data.redact import strip_credentials
 
 
 def listed_files(store: Store, directory: str) -> Tuple[int, int]:
@@ -76,15 +78,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="a checkpoint.dir (holding step_* directories): a path or an "
                              "fsspec URL")
     args = parser.parse_args(argv)
+    from checkpointing.manager import one_line  # here: the manager imports this module
     try:
         store = Store(args.dir)
+        if not store.fs.isdir(store.root):
+            print(f"error: {args.dir} is not a directory", file=sys.stderr)
+            return 2
+        lines, newest_ok = scrub(store)
     except StoreUnavailable as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not store.fs.isdir(store.root):
-        print(f"error: {args.dir} is not a directory", file=sys.stderr)
+    except Exception as err:  # an object store's client has errors of its own (botocore's)
+        print(f"error: cannot read {args.dir} ({strip_credentials(one_line(err))}): check "
+              f"the URL, the endpoint and the credentials", file=sys.stderr)
         return 2
-    lines, newest_ok = scrub(store)
     for line in lines:
         print(line)
     if not lines:

@@ -19,6 +19,7 @@ import s3fs  # the test extra installs it: without it these tests fail, never sk
 from safetensors.torch import load_file
 
 from checkpointing import commit, export, verify
+from checkpointing.checksums import WRITE_ALGORITHM, marker_entry
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
 from support.checkpoints import assert_same_contents, checkpoint_contents
@@ -321,3 +322,91 @@ def test_markers_of_different_save_attempts_never_make_a_checkpoint(tmp_path, at
     else:
         with pytest.raises(commit.Incomplete, match="commit markers of different save attempts"):
             commit.verify(store, step_dir.name, 2)
+
+
+@pytest.mark.parametrize("tool", ["verify", "export"])
+def test_verify_and_export_against_a_dead_endpoint_are_one_line_and_exit_2(seaweedfs,
+                                                                           tmp_path, tool):
+    """botocore's own errors (not OSError) reach the command line: one line, no traceback."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [*PYTHON, "-m", f"checkpointing.{tool}", f"s3://{new_bucket(seaweedfs)}/run",
+         *([str(tmp_path / "model.pt")] if tool == "export" else [])],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=train_env(AWS_ENDPOINT_URL=dead, AWS_MAX_ATTEMPTS="1"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot read s3://") \
+        and "EndpointConnectionError" in lines[0], lines
+
+
+@pytest.mark.parametrize("url", ["s3://AKIDLEAK:s3cr3t/with+slash@{bucket}/run",
+                                 "s3://{bucket}/run?X-Amz-Signature=s3cr3t"])
+def test_verify_and_export_refuse_credentials_in_the_url_in_one_line(seaweedfs, tmp_path,
+                                                                     capsys, url):
+    """s3fs takes no key from the URL: it would reach botocore as a bucket name, and its
+    error (with the secret) the terminal. Refused before any request, the secret unshown."""
+    url = url.format(bucket=new_bucket(seaweedfs))
+    assert verify.main([url]) == 2
+    assert export.main([url, str(tmp_path / "model.pt")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 2 and all("holds credentials in its URL" in line for line in lines)
+    assert "s3cr3t" not in captured.out + captured.err and "AKIDLEAK" not in captured.err
+
+
+def test_export_from_s3_downloads_only_what_the_markers_list(seaweedfs, s3_run, tmp_path,
+                                                            capsys):
+    """Objects planted beside a checkpoint (another writer, a console upload: big files,
+    nested keys) are never fetched: the server's log shows no GET of them."""
+    bucket, fs = s3_run["bucket"], client(seaweedfs)
+    step = f"{bucket}/planted/step_000000012"
+    fs.copy(f"{bucket}/run/step_000000012", step, recursive=True)
+    for key in ("junk.bin", "nested/deeper/junk.bin", "__9_9.distcp"):
+        fs.pipe_file(f"{step}/{key}", b"\0" * 4096)
+    offset = log_size(seaweedfs)
+    out = tmp_path / "model.safetensors"
+    assert export.main([f"s3://{bucket}/planted", str(out)]) == 0, capsys.readouterr().err
+    with open(seaweedfs.root / "weed.log", "rb") as f:
+        f.seek(offset)
+        gets = re.findall(r'" GET "(/[^"?]+)"', f.read().decode(errors="replace"))
+    assert f"/{step}/.metadata" in gets  # the log does show what was fetched
+    assert not [g for g in gets if "junk" in g or "__9_9" in g], gets
+    exported = load_file(out)
+    assert exported and all(
+        exported[k].equal(s3_run["contents"][f"model.{k}"]) for k in exported)
+
+
+@pytest.mark.parametrize("forged", ["beyond the world", "another rank's name"])
+def test_a_forged_marker_with_the_right_attempt_never_vouches_for_its_files(tmp_path, forged):
+    """The attempt sits in every real marker for anyone to copy, as on an object store
+    where nothing but verification separates a writer's objects from the checkpoint's."""
+    root, _ = two_checkpoints(tmp_path)
+    step_dir = root / "step_000000002"
+    body = json.loads((step_dir / "commit_rank_0.json").read_text())
+    planted = b"planted"
+    (step_dir / "extra.distcp").write_bytes(planted)
+    store = Store(str(root))
+    entry = marker_entry(len(planted), WRITE_ALGORITHM,
+                         store.checksum(str(step_dir / "extra.distcp"), WRITE_ALGORITHM))
+    forged_body = {**body, "rank": 1 if forged == "beyond the world" else 0,
+                   "files": {"extra.distcp": entry}}
+    (step_dir / "commit_rank_1.json").write_text(json.dumps(forged_body))
+    with pytest.raises(commit.Incomplete, match="commit_rank_1.json is not the marker of rank 1"):
+        commit.verify(store, step_dir.name, 2)
+
+
+@pytest.mark.parametrize("url", ["s3://{bucket}//run", "s3://{bucket}/a//run/"])
+def test_an_object_store_url_with_a_double_slash_is_one_line_and_exit_2(seaweedfs, capsys,
+                                                                         url):
+    """Seen with SeaweedFS: a save to `s3://b//run` hung until the commit timeout (listings
+    drop the empty segment, reads keep it), and verify called its own checkpoints
+    unreadable."""
+    url = url.format(bucket=new_bucket(seaweedfs))
+    with pytest.raises(ValueError, match=r"has an empty path segment \('//'\)"):
+        CheckpointManager(CheckpointOptions(dir=url))
+    assert verify.main([url]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {url} has an empty path segment ('//'): write it with single slashes"]
+    assert Store(f"s3://{url.split('/')[2]}/run/").root.endswith("/run")  # a trailing "/" is fine
