@@ -7,6 +7,7 @@ training loop; one test exports the checkpoint of a real `python -m train` run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -245,6 +246,15 @@ def make_a_weight_int32(root: Path) -> None:
     forge_metadata(root / STEP_20, forge)
 
 
+def rename_a_weight(root: Path) -> None:
+    def forge(metadata) -> None:
+        old, new = "model.0.weight", "model.0.renamed"
+        metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
+        metadata.storage_data = {(dataclasses.replace(k, fqn=new) if k.fqn == old else k): v
+                                 for k, v in metadata.storage_data.items()}
+    forge_metadata(root / STEP_20, forge)
+
+
 def put_step_15_in_step_20(root: Path) -> None:
     shutil.rmtree(root / STEP_20)
     shutil.copytree(root / "step_000000015", root / STEP_20)
@@ -266,8 +276,12 @@ STEP_20 = "step_000000020"
 @pytest.mark.parametrize("tamper, error", [
     (drop_two_model_keys, "holds {n2} model tensors where its model card records {n}: it "
                           "is not the model it was saved as"),
-    (make_a_weight_int32, "holds {n} model tensors as its model card records, but other "
-                          "names, shapes or dtypes: it is not the model it was saved as"),
+    (rename_a_weight, "holds {n} model tensors as its model card records, but other "
+                      "names, shapes or dtypes: it is not the model it was saved as"),
+    # In DCP's standard format each record says its dtype: the reader refuses it first.
+    (make_a_weight_int32, "failed: UnsafeCheckpointError: model.0.weight: its record holds a "
+                          "torch.float32 tensor of shape [4, 3, 3, 3], .metadata a torch.int32 "
+                          "chunk of shape [4, 3, 3, 3]"),
     (put_step_15_in_step_20, "records step 15: it was not written by this trainer at step "
                              "20"),
 ])
@@ -283,7 +297,8 @@ def test_export_refuses_what_resume_refuses(tmp_path, capsys, tamper, error):
     assert [s for s, _ in commit.find_complete(Store(str(root)))] == [20, 15]  # checksums pass
     assert export.main([str(root), str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"error: checkpoint {STEP_20} " + error.format(n=n, n2=n - 2)]
+    said = f"loading {root / STEP_20}" if error.startswith("failed") else f"checkpoint {STEP_20}"
+    assert err.splitlines() == [f"error: {said} " + error.format(n=n, n2=n - 2)]
     assert not out.exists()
 
 
