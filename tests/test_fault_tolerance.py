@@ -33,6 +33,11 @@ def report(name: str, seconds: float) -> None:
     print(f"\nrestart-to-first-step ({name}): {seconds:.1f}s")
 
 
+def restarted_group(run_root: Path, old_pids: set, world_size: int = 2) -> bool:
+    now = worker_pids(run_root)
+    return len(now) == world_size and old_pids.isdisjoint(now.values())
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, reference_runs,
                                                        strategy):
@@ -52,8 +57,13 @@ def test_sigkill_of_rank_1_then_rank_0_at_random_steps(tiny_root, tmp_path, refe
             pids = worker_pids(tmp_path)
             os.kill(pids[victim], signal.SIGKILL)
             since = time.time()
-            wait_for(lambda: steps_done(ledger, since) >= 1, "the restarted group's first step",
-                     proc=proc)
+            # A step the killed group's survivor records before torchrun stops it is not the
+            # restart's: wait for a whole new group first, so the next kill hits that one.
+            wait_for(lambda: restarted_group(tmp_path, set(pids.values())),
+                     "a restarted group", proc=proc)
+            restarted = time.time()
+            wait_for(lambda: steps_done(ledger, restarted) >= 1,
+                     "the restarted group's first step", proc=proc)
             report(f"SIGKILL rank {victim}, {strategy}", first_step_after(ledger, since))
         out = finish(proc)
     assert proc.returncode == 0, out[-4000:]
