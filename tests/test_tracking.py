@@ -362,6 +362,15 @@ def test_two_sweeps_started_at_once_into_a_new_sqlite_store_both_get_their_paren
     assert {client.get_run(p).info.run_name.startswith("sweep-") for p in parents} == {True}
 
 
+def config_names_store(run_dir: Path, uri: str) -> Path:
+    """The run's own config (Hydra's record) naming `uri`: `python -m train.unsent` trusts
+    the store a file names only when the run's config names it too."""
+    (run_dir / ".hydra").mkdir(exist_ok=True)
+    config = run_dir / ".hydra" / "config.yaml"
+    config.write_text(f"logger:\n  tracking_uri: {uri}\n")
+    return config
+
+
 def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
         store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture) -> None:
@@ -393,7 +402,12 @@ def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
     with open(path, "a") as f:
         f.write('{"run": "' + run_id + '", "metric": ["train/loss", 9.0, 1')  # torn
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert unsent.main([str(tmp_path)]) == 0  # the store the file names
+    # the file alone does not choose the store: the run's own config must name it too
+    config_names_store(tmp_path, "http://elsewhere.example:5000")
+    assert unsent.main([str(tmp_path)]) == 2
+    assert "which the run's own config" in capsys.readouterr().err and path.exists()
+    config_names_store(tmp_path, store_uri)
+    assert unsent.main([str(tmp_path)]) == 0  # the store the file and the config name
     out = capsys.readouterr().out
     assert "sent 2500 metric values" in out and "launch the run again" in out
     history = client.get_metric_history(run_id, "train/loss")
@@ -462,6 +476,7 @@ def test_python_m_train_unsent_leaves_a_live_run_alone(
     kept = unsent.Unsent(uri=store_uri)
     kept.add_metrics(run_id, [("train/loss", 1.0, 1, 1)])
     unsent.write(tmp_path / unsent.FILE, kept)
+    config_names_store(tmp_path, store_uri)
     before = (tmp_path / unsent.FILE).read_bytes()
     holder = subprocess.Popen(  # a trainer's lock, as rank 0 holds it once started
         [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
@@ -471,7 +486,9 @@ def test_python_m_train_unsent_leaves_a_live_run_alone(
     try:
         assert holder.stdout.readline() == "held\n"
         assert unsent.main([str(tmp_path)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        # ours, not MLflow's own INFO lines (a new store's tables, when this test runs first)
+        err = [line for line in capsys.readouterr().err.splitlines()
+               if "mlflow.store" not in line]
         assert len(err) == 1 and "is live" in err[0], err
     finally:
         holder.communicate("")
@@ -503,6 +520,7 @@ def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
         kept.add_metrics(run, [("train/loss", 1.0, 1_000, 1)])
         kept.ends[run] = ("FINISHED", 2_000)
     kept.ends[live] = ("FINISHED", 3_000)
+    config_names_store(tmp_path, store_uri)
     unsent.write(tmp_path / unsent.FILE, kept)
     before = (tmp_path / unsent.FILE).read_bytes()
     # a run the store never had: most likely the wrong store, so nothing is dropped

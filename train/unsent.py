@@ -330,7 +330,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"RUN_DIR/{FILE} while the store was down, and end its runs as they ended.")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--tracking-uri", help="the store (default: MLFLOW_TRACKING_URI, "
-                        "else the one the file names)")
+                        f"else the one the file names if the run's {CONFIG} names it too)")
     args = parser.parse_args(argv)
     path = args.run_dir / FILE
     if not args.run_dir.is_dir():
@@ -371,11 +371,35 @@ def run_lock(run_dir: Path) -> Iterator[Optional[str]]:
         os.close(fd)  # which drops the lock
 
 
+CONFIG = ".hydra/config.yaml"  # Hydra's record of the run's config, in its directory
+
+
+def configured_store(run_dir: Path) -> Optional[str]:
+    """`logger.tracking_uri` of the run's own config (credentials stripped), None when it
+    has none or the file is unreadable, odd or oversized."""
+    import yaml
+
+    try:
+        with open(run_dir / CONFIG, "rb") as f:
+            text = f.read(1 << 20)
+        config = yaml.safe_load(text)
+        uri = config["logger"]["tracking_uri"]
+    except (OSError, yaml.YAMLError, TypeError, KeyError, RecursionError):
+        return None
+    return strip_credentials(uri) if isinstance(uri, str) else None
+
+
 def _send_kept(args: argparse.Namespace, path: Path) -> int:
     unsent = read(path)
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or unsent.uri
     if not uri:
         print(f"error: {path} names no store: pass --tracking-uri URI", file=sys.stderr)
+        return 2
+    if uri == unsent.uri and unsent.uri != configured_store(args.run_dir):
+        # The file alone is not trusted to choose where the run's files go.
+        print(f"error: {path} names the store {unsent.uri}, which the run's own config "
+              f"({CONFIG}) does not: pass --tracking-uri URI to send there; the file is kept",
+              file=sys.stderr)
         return 2
     for name, value in CHECK_HTTP_SETTINGS.items():  # a store that is down: seconds, not
         os.environ.setdefault(name, value)           # MLflow's 4 minutes of retries
