@@ -640,3 +640,19 @@ def test_what_a_run_kept_is_sent_by_the_next_launch_even_under_a_new_run(
     run = client.get_run(first)
     assert (run.info.status, run.info.end_time) == ("FINISHED", kept.ends[first][1])
     assert [a.path for a in client.list_artifacts(first)] == ["config.yaml", "goodput.json"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("logger:\n  tracking_uri: http://u:pw@host:5000\n", "http://host:5000"),
+    ("logger:\n  tracking_uri: null\n", "sqlite:///{cwd}/mlflow.db"),  # MLflow's default
+    ("logger: [1, 2]\n", None), ("{{{", None), ("- " * 10**6, None), ("", None)])
+def test_the_store_a_runs_own_config_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           text: str, expected) -> None:
+    from train import unsent
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(text)
+    want = expected.format(cwd=tmp_path) if expected else None
+    assert unsent.configured_store(tmp_path) == want

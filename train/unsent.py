@@ -375,8 +375,9 @@ CONFIG = ".hydra/config.yaml"  # Hydra's record of the run's config, in its dire
 
 
 def configured_store(run_dir: Path) -> Optional[str]:
-    """`logger.tracking_uri` of the run's own config (credentials stripped), None when it
-    has none or the file is unreadable, odd or oversized."""
+    """`logger.tracking_uri` of the run's own config (credentials stripped; left unset, it
+    means MLflow's default store), None when the file is missing, unreadable, odd or
+    oversized."""
     import yaml
 
     try:
@@ -386,6 +387,10 @@ def configured_store(run_dir: Path) -> Optional[str]:
         uri = config["logger"]["tracking_uri"]
     except (OSError, yaml.YAMLError, TypeError, KeyError, RecursionError):
         return None
+    if uri is None:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI is unset when this is asked
     return strip_credentials(uri) if isinstance(uri, str) else None
 
 
