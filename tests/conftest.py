@@ -5,6 +5,7 @@ helpers the tests share are in tests/support/."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,18 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = WORKERS
         if config.option.dist == "no":
             config.option.dist = DIST
+
+
+@pytest.fixture(autouse=True)
+def mlflow_store_left_as_found():
+    """An in-process run sets MLflow's global store (and MLFLOW_TRACKING_URI with it); put
+    both back, so that no later test on this worker logs to, or reads, that store."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if "mlflow" in sys.modules:
+        sys.modules["mlflow"].set_tracking_uri(before)
+    if before is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = before
 
 
 @pytest.fixture(scope="session")

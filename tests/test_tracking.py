@@ -656,3 +656,12 @@ def test_the_store_a_runs_own_config_names(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / ".hydra" / "config.yaml").write_text(text)
     want = expected.format(cwd=tmp_path) if expected else None
     assert unsent.configured_store(tmp_path) == want
+
+
+def test_a_job_with_no_store_named_does_not_log_to_the_store_an_earlier_job_named(
+        store_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The jobs of an in-process sweep (Hydra's basic launcher) share MLflow's global store.
+    monkeypatch.chdir(tmp_path)
+    assert MLflowTracker(LoggerConfig(tracking_uri=store_uri)).uri == store_uri
+    assert MLflowTracker(LoggerConfig()).uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # nor to a subprocess it starts

@@ -35,6 +35,9 @@ MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params
 RUN_HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
                      "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 DATASET_CONTEXTS = {"train": "training", "val": "validation"}  # MLflow's usual names
+# MLflow keeps the store in a process global and in this variable, which set_tracking_uri
+# rewrites: the environment's own value is read before any run here has set it.
+LAUNCH_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI") or None
 GOODPUT_IN_GROUP = "goodput/fraction"  # `goodput` again, drawn among the goodput/* charts
 
 
@@ -119,8 +122,9 @@ class MLflowTracker:
 
         self.mlflow = mlflow
         self.cfg = cfg
-        if cfg.tracking_uri:
-            mlflow.set_tracking_uri(cfg.tracking_uri)
+        # Always set, so that a job of an in-process sweep whose URI is unset does not log
+        # to the store an earlier job named.
+        mlflow.set_tracking_uri(cfg.tracking_uri or LAUNCH_TRACKING_URI)
         self.experiment_name = cfg.experiment_name
         self.uri = strip_credentials(mlflow.get_tracking_uri())
         self.client: Any = None  # made once the store is known to open (check or run)
