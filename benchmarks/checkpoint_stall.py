@@ -61,8 +61,8 @@ import xxhash
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checkpointing.manager import CheckpointManager, CheckpointOptions
-from train.distributed import init_world, shutdown_world
-from train.state import ModelState, OptimizerState
+from train.cluster.world import init_world, shutdown_world
+from train.resume.stateful import ModelState, OptimizerState
 
 # (checkpoint.async_mode, checkpoint.format) of each CheckpointManager row
 MODES = {"b": ("off", "dcp"), "c": ("thread", "dcp"), "d": ("process", "dcp"),
@@ -273,7 +273,7 @@ def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
         print(f"  round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
             f"({k}) {results[k]['blocked']:.3f}s" for k in LABELS if k in results), flush=True)
     # The reads in rounds of their own: a load replaces live tensors (the optimizer's state),
-    # which makes the next save check its state-dict shortcut again (train/state.py).
+    # which makes the next save check its state-dict shortcut again (train/resume/stateful.py).
     for round_ in range(repeats + 1 if loaded else 0):
         torch_save({"model": model.state_dict(), "optim": optimizer.state_dict()}, full,
                    durable=True)

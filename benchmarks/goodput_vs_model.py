@@ -47,7 +47,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from checkpointing import plan  # noqa: E402
 from data import synthetic  # noqa: E402
 from support.launch import launch, torchrun, worker_pids  # noqa: E402
-from train.events import EVENTS_FILE, read_events  # noqa: E402
+from train.records.events import EVENTS_FILE, read_events  # noqa: E402
 
 BATCH = 20
 IMAGES = 400  # 20 steps an epoch

@@ -6,7 +6,7 @@
    (b) a store per process; (c) one process alone is the baseline. Per log line: median and
    p99 latency, failed calls, and whether every value landed (read back and counted).
 2. `mlflow.pytorch.log_model` of the tiny CNN with the pip requirements given (as
-   train/tracking.py does) and inferred by MLflow (its default).
+   train/tracking/tracker.py does) and inferred by MLflow (its default).
 
 Rounds interleave the variants; figures are medians over rounds.
 
@@ -88,8 +88,8 @@ def log_model_seconds(root: Path, inferred: bool) -> float:
     from mlflow.models import infer_signature
     from omegaconf import OmegaConf
 
-    from train.model import build_model
-    from train.tracking import model_requirements
+    from train.learn.model import build_model
+    from train.tracking.tracker import model_requirements
 
     mlflow.set_tracking_uri(f"sqlite:///{root}/model.db")
     mlflow.set_experiment("bench-model")

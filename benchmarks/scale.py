@@ -459,8 +459,8 @@ def ranks_worker(out: Path, steps: int, saves: int) -> None:
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from checkpoint_stall import synchronous_saves
-    from train.distributed import init_world, shutdown_world
-    from train.health import agree_on_flag
+    from train.cluster.world import init_world, shutdown_world
+    from train.recovery.health import agree_on_flag
 
     world = init_world(torch.device("cpu"))
     health, flags = [], []

@@ -87,8 +87,8 @@ from data.dataset import normalize  # noqa: E402
 from data.pipeline import build_datasets, build_loader  # noqa: E402
 from data.sampler import BatchPlan, GlobalBatchSampler  # noqa: E402
 from support.runs import compose_config  # noqa: E402
-from train.model import build_model  # noqa: E402
-from train.optim import build_optimizer  # noqa: E402
+from train.learn.model import build_model  # noqa: E402
+from train.learn.optim import build_optimizer  # noqa: E402
 
 EXPERIMENT = ["+experiment=resnet", "logger=none", "checkpoint.enabled=false",
               "trainer.device=cpu", "trainer.log_every_steps=10"]

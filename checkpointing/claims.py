@@ -1,5 +1,5 @@
 """What a checkpoint claims, checked: the step its directory names, and the model its card
-describes. Resume (train/checkpoint.py) and export apply the same checks, so a checkpoint
+describes. Resume (train/resume/checkpoint.py) and export apply the same checks, so a checkpoint
 one of them refuses the other cannot pass off as good.
 
 The model card records the model's tensors as a count and a digest of their names, shapes

@@ -54,7 +54,7 @@ from data.redact import strip_credentials
 MODEL_KEY = "model"
 # The checkpoint's record of the model card (train/app.py): JSON in the `run` header
 CARD_KEY = "run.config.model_card"
-STEP_KEY = "trainer.step"  # the step the trainer recorded (train/state.py)
+STEP_KEY = "trainer.step"  # the step the trainer recorded (train/resume/stateful.py)
 
 log = logging.getLogger("checkpointing.export")
 

@@ -280,7 +280,7 @@ class RunEvents:
 
 
 def from_events(run_dir: Path) -> Optional[RunMeasures]:
-    """Medians over `RUN_DIR/events.jsonl` (train/events.py): each save staged (the stall)
+    """Medians over `RUN_DIR/events.jsonl` (train/records/events.py): each save staged (the stall)
     and committed (its whole duration), each resume; None when it holds no committed save."""
     path = run_dir / "events.jsonl"
     if not path.is_file():

@@ -27,7 +27,7 @@ from support.checkpoints import flip_byte
 from support.tiny_job import (Job, Payload, load_into_fresh, manager, rewrite_marker, same,
                               two_checkpoints, with_planted_step)
 from support.logs import our_records
-from train.distributed import init_world, shutdown_world
+from train.cluster.world import init_world, shutdown_world
 
 
 @pytest.mark.parametrize("mode", ["off", "thread"])

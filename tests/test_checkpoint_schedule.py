@@ -10,7 +10,7 @@ from checkpointing import plan
 from support.launch import run_train
 from support.runs import FINAL, tiny_overrides
 from support.logs import our_records
-from train.checkpoint import CheckpointSchedule
+from train.resume.checkpoint import CheckpointSchedule
 
 
 def cfg(**checkpoint):
@@ -24,7 +24,7 @@ class Clock:
 
     def __init__(self, monkeypatch):
         self.now = 0.0
-        monkeypatch.setattr("train.checkpoint.time.perf_counter", lambda: self.now)
+        monkeypatch.setattr("train.resume.checkpoint.time.perf_counter", lambda: self.now)
 
 
 def train_and_save(schedule, clock, steps, step_seconds, stall, save):
@@ -59,11 +59,11 @@ def test_a_hopeless_mtbf_is_said_once_with_the_planners_reason(monkeypatch, capl
     once and keeps its interval, instead of a line at every save flipping between 1 and 2."""
     clock = Clock(monkeypatch)
     schedule = CheckpointSchedule(cfg(auto_interval=True, mtbf_hours=1e-6), start_step=0)
-    with caplog.at_level(logging.INFO, logger="train.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="train.resume.checkpoint"):
         for i in range(12):  # step times jitter around the save's duration
             train_and_save(schedule, clock, steps=schedule.interval,
                            step_seconds=0.01 * (1 + i % 2), stall=0.005, save=0.015)
-    lines = [r.getMessage() for r in caplog.records if r.name == "train.checkpoint"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "train.resume.checkpoint"]
     assert len(lines) == 1, lines
     assert lines[0].startswith("checkpoint.auto_interval: a save of ") and \
         "is at least twice the MTBF" in lines[0], lines
@@ -74,11 +74,11 @@ def test_adjacent_intervals_of_one_or_two_steps_are_not_a_change(monkeypatch, ca
     clock = Clock(monkeypatch)
     schedule = CheckpointSchedule(cfg(auto_interval=True, interval_steps=1, mtbf_hours=0.1),
                                   start_step=0)
-    with caplog.at_level(logging.INFO, logger="train.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="train.resume.checkpoint"):
         for i in range(12):  # the save's duration is one step or two
             train_and_save(schedule, clock, steps=1, step_seconds=1.0, stall=0.001,
                            save=1.0 + 0.9 * (i % 2))
-    assert [r for r in caplog.records if r.name == "train.checkpoint"] == []
+    assert [r for r in caplog.records if r.name == "train.resume.checkpoint"] == []
     assert schedule.interval == 1
 
 
@@ -87,7 +87,7 @@ def test_auto_interval_settles_past_an_outlier_and_logs_changes_only(monkeypatch
     it back, and noise within 10% changes nothing and logs nothing."""
     clock = Clock(monkeypatch)
     schedule = CheckpointSchedule(cfg(auto_interval=True), start_step=0)
-    caplog.set_level(logging.INFO, logger="train.checkpoint")
+    caplog.set_level(logging.INFO, logger="train.resume.checkpoint")
     train_and_save(schedule, clock, steps=10, step_seconds=0.1, stall=8.0, save=9.0)
     slow = schedule.interval
     for stall in (0.5, 0.52, 0.48, 0.5, 0.51, 0.49):
@@ -105,7 +105,7 @@ def test_a_resume_measures_the_restart_and_restarts_the_step_clock(monkeypatch, 
     schedule = CheckpointSchedule(cfg(auto_interval=True), start_step=0)
     clock.now = 100.0  # start-up before the load: not training time
     schedule.resumed(40, restore_seconds=7.5)
-    caplog.set_level(logging.INFO, logger="train.checkpoint")
+    caplog.set_level(logging.INFO, logger="train.resume.checkpoint")
     train_and_save(schedule, clock, steps=10, step_seconds=0.1, stall=0.5, save=2.0)
     assert schedule.interval == 597
     expected = plan.exact_goodput(59.7, 0.5, 7.5, 3600)

@@ -33,7 +33,7 @@ from support.checkpoints import flip_byte
 from support.launch import PYTHON, run, run_train
 from support.runs import tiny_overrides
 from support.tiny_job import rewrite_marker
-from train.state import ModelState, OptimizerState, RNGState
+from train.resume.stateful import ModelState, OptimizerState, RNGState
 
 STEP_2, STEP_4 = "step_000000002", "step_000000004"
 

@@ -19,8 +19,8 @@ from support.launch import run_train
 from support.runs import CONF, compose_config, tiny_overrides
 from train.config import Bounds, Config, validate
 from train.errors import ConfigError
-from train.model import build_model
-from train.optim import build_optimizer, build_scheduler
+from train.learn.model import build_model
+from train.learn.optim import build_optimizer, build_scheduler
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -336,7 +336,7 @@ def test_a_replica_id_outside_the_groups_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.parametrize("min_replicas, groups", [(3, 2), (2, 1), (100, 8)])
 def test_ddp_ft_refuses_a_quorum_above_the_planned_width(min_replicas, groups):
-    from train.ft import check_plan
+    from train.recovery.replicas import check_plan
 
     cfg = compose_config(["+experiment=resnet", "strategy=ddp_ft",
                           f"strategy.fault_tolerance.min_replicas={min_replicas}",

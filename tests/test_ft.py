@@ -23,8 +23,8 @@ from support.launch import finish, free_port, launch, port_open, torchrun, wait_
 from support.ledger import assert_exactly_once, ledger_records, surviving_history  # noqa: E402
 from support.runs import train_args  # noqa: E402
 from data.redact import strip_credentials  # noqa: E402
-from train.ft import (apply_means, checksum_slots, drift_of, identity_of, judge,  # noqa: E402
-                      read_checksums, spans, weighted_sums)
+from train.recovery.replicas import (apply_means, checksum_slots, drift_of, identity_of,  # noqa: E402
+                                     judge, read_checksums, spans, weighted_sums)
 
 KILLED_AT = 3  # the step whose start, or whose all-reduce, kills group 1
 

@@ -22,5 +22,5 @@ def test_the_gpu_check_runs_on_cpu_and_prints_its_figures(tmp_path):
                      r"checkpoint stall median [\d.]+s, save [\d.]+s \((\d+) saves\); "
                      r"goodput [\d.]+% with 1 restart\(s\)", result.stdout, re.M)
     assert line and int(line[1]) > 0 and int(line[2]) >= 4, result.stdout[-3000:]
-    assert "failures 1 (killed 1)" in result.stdout  # train.report's table
+    assert "failures 1 (killed 1)" in result.stdout  # train.records.report's table
     assert (tmp_path / "fsdp-goodput.png").stat().st_size > 0

@@ -17,8 +17,8 @@ from support.runs import train_args
 from train.config import HealthConfig
 from train.errors import ConfigError, TrainingError
 from train.faults import NO_FAULTS, FaultHook, Faults, parse
-from train.goodput import Goodput
-from train.health import HealthMonitor, HealthState, parameter_checksum
+from train.records.goodput import Goodput
+from train.recovery.health import HealthMonitor, HealthState, parameter_checksum
 
 
 def monitor(tmp_path, **cfg) -> HealthMonitor:

@@ -22,7 +22,7 @@ from support.launch import (PYTHON, finish, free_port, launch, run_job, torchrun
                             worker_pids)
 from support.ledger import assert_resumed, ledger_records
 from support.runs import FINAL, compose_config, train_args
-from train.launch import LAUNCH_ID, mark_latest_record
+from train.cluster.rank_dirs import LAUNCH_ID, mark_latest_record
 
 
 @pytest.mark.parametrize("rank, record, job", [("0", True, "train"),

@@ -17,7 +17,7 @@ import pytest
 from support.launch import finish, launch, wait_for
 from support.runs import STEPS_PER_EPOCH, EPOCHS, tiny_overrides
 from support.tracking import MlflowServer
-from train import unsent
+from train.tracking import unsent
 
 
 @pytest.fixture

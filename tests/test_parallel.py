@@ -20,7 +20,7 @@ from checkpointing.export import load_model_state
 from support.launch import PYTHON, run, torchrun
 from support.runs import tiny_overrides
 from train.config import ModelConfig
-from train.model import build_model
+from train.learn.model import build_model
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 STEP_4 = "checkpoints/step_000000004"

@@ -88,7 +88,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
 
 
 def test_from_run_reads_the_measured_stall_save_and_restart(tmp_path, capsys):
-    """From events.jsonl as train/events.py writes it: rank 0's saves, and a resumed
+    """From events.jsonl as train/records/events.py writes it: rank 0's saves, and a resumed
     process's start-up and load; torn and foreign lines are skipped."""
     events = [{"kind": "start", "time": 100.0, "rank": 0, "pid": 7}]
     for step in (10, 20, 30):

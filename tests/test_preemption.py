@@ -136,7 +136,7 @@ def test_a_signal_to_one_rank_stops_the_group_at_a_checkpoint(tiny_root, tmp_pat
 def test_a_second_signal_exits_at_once():
     """The first signal only asks; the second ends the process by that signal."""
     code = ("import os, signal, time\n"
-            "from train.preemption import catch_preemption\n"
+            "from train.cluster.preemption import catch_preemption\n"
             "with catch_preemption() as flag:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(0.5)\n"
@@ -184,8 +184,8 @@ def test_a_stop_signal_during_start_up_is_one_line_and_exit_75(tiny_root, tmp_pa
 
 
 def signalled(code: str) -> subprocess.CompletedProcess:
-    """`code` run after `from train.preemption import *` in a process of its own."""
-    return run(PYTHON, ["-c", "import os, signal, time\nfrom train.preemption import *\n"
+    """`code` run after `from train.cluster.preemption import *` in a process of its own."""
+    return run(PYTHON, ["-c", "import os, signal, time\nfrom train.cluster.preemption import *\n"
                         + code], timeout=60)
 
 

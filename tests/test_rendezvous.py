@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from support.launch import free_port
-from train.distributed import agree_round_key
+from train.cluster.world import agree_round_key
 
 
 def test_ranks_agree_on_a_fresh_key_despite_a_dead_rounds_leftovers():

@@ -17,8 +17,8 @@ from support.launch import PYTHON, finish, launch, run, run_job
 from support.runs import train_args
 from support.logs import our_records
 from support.streams import read_through_fifo
-from train import events, report
-from train.events import read_events
+from train.records import events, report
+from train.records.events import read_events
 
 
 def png_size(path: Path) -> tuple:
@@ -128,7 +128,7 @@ def test_a_full_disk_stops_the_timeline_with_one_warning(tmp_path, monkeypatch, 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(events.os, "write", full)
-    with caplog.at_level(logging.WARNING, logger="train.events"):
+    with caplog.at_level(logging.WARNING, logger="train.records.events"):
         for step in range(3):
             events.record("progress", step=step)  # no exception: training goes on
     events.close()

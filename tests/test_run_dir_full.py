@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from common import files
-from train import app, goodput, health
+from train import app
+from train.records import goodput
+from train.recovery import health
 from train.config import HealthConfig
 from train.errors import ConfigError
-from train.goodput import Goodput
-from train.health import HealthMonitor, HealthState
+from train.records.goodput import Goodput
+from train.recovery.health import HealthMonitor, HealthState
 from support.logs import our_records
 
 NO_SPACE = [errno.ENOSPC, errno.EDQUOT]

@@ -6,11 +6,11 @@ import pytest
 
 from support.launch import run_train
 from support.runs import compose_config, tiny_overrides
-from train.checkpoint import Checkpointer, build_manager, training_config
+from train.resume.checkpoint import Checkpointer, build_manager, training_config
 from train.config import DEFAULT_RUN_NAME_EXCLUDES, default_run_name
-from train.distributed import World
+from train.cluster.world import World
 from train.errors import ConfigError
-from train.state import DataIdentity, Position, RunInfo
+from train.resume.stateful import DataIdentity, Position, RunInfo
 
 
 def name(overrides, multirun=False, experiment="resnet", swept=()):

@@ -28,9 +28,9 @@ from support.ledger import assert_exactly_once, samples_per_rank
 from support.runs import compose_config, tiny_overrides
 from support.s3 import SeaweedFS
 from support.tiny_job import Job, same, two_checkpoints
-from train.checkpoint import training_config
+from train.resume.checkpoint import training_config
 from train.config import default_run_name
-from train.tracking import mlflow_params
+from train.tracking.tracker import mlflow_params
 from test_secrets import files_holding
 
 

@@ -8,7 +8,7 @@ import pytest
 from support.launch import PYTHON, finish, free_port, launch, run_train
 from support.runs import FINAL, tiny_overrides, train_args
 from train.errors import ConfigError
-from train.slurm import MAX_HOSTS, expand_hostlist, first_host, torchrun_environment
+from train.cluster.slurm import MAX_HOSTS, expand_hostlist, first_host, torchrun_environment
 
 
 @pytest.mark.parametrize("text, hosts", [

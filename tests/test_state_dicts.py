@@ -9,9 +9,9 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                      get_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel
 
-import train.state as state_module
-from train.distributed import init_world, shutdown_world
-from train.state import ModelState, OptimizerState, _CheckedShortcut, _same
+import train.resume.stateful as state_module
+from train.cluster.world import init_world, shutdown_world
+from train.resume.stateful import ModelState, OptimizerState, _CheckedShortcut, _same
 
 
 def trained(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -27,7 +27,7 @@ def tiny() -> torch.nn.Module:
 
 
 class Calls:
-    """Counts the calls of DCP's adapters as train.state makes them."""
+    """Counts the calls of DCP's adapters as train.resume.stateful makes them."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0

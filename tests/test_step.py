@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from train.app import seed_everything
 from train.loop import gradient_norm
-from train.model import TinyCNN
+from train.learn.model import TinyCNN
 
 
 def model_with_gradients() -> torch.nn.Module:

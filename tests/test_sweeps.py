@@ -130,7 +130,7 @@ def test_a_sweep_record_lists_each_job_once_and_one_that_never_returned_as_runni
     """Job lines from parallel processes, a job that exited the process (SystemExit skips
     Hydra's job-end callback), a line torn by a kill, and lines that parse but are no job's
     (one of them made Hydra drop the whole record with a warning)."""
-    from train.sweep_record import read_jobs, swept_keys
+    from train.tracking.sweep_record import read_jobs, swept_keys
 
     start = {"event": "start", "run_name": "r", "dir": "d", "overrides": [],
              "mlflow_parent_run_id": None, "time": "t0"}

@@ -19,13 +19,13 @@ from omegaconf import OmegaConf
 from support.launch import free_port, run_train, train_env
 from support.runs import tiny_overrides
 from support.logs import our_records
-from train import tracking
+from train.tracking import tracker as tracking
 from train.config import LoggerConfig
-from train.distributed import World
+from train.cluster.world import World
 from train.errors import ConfigError
-from train.sweep_tracking import (PARENT_ENV, SweepJob, SweepRun, current_sweep_job,
-                                  open_experiment, record_best)
-from train.tracking import MLflowTracker, NullTracker, start_tracker
+from train.tracking.sweep_run import (PARENT_ENV, SweepJob, SweepRun, current_sweep_job,
+                                      open_experiment, record_best)
+from train.tracking.tracker import MLflowTracker, NullTracker, start_tracker
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +99,7 @@ def test_a_store_failing_mid_run_warns_once_and_catches_up(
         calls.append(1)
         raise OSError("database or disk is full")
 
-    caplog.set_level(logging.INFO, logger="train.tracking")
+    caplog.set_level(logging.INFO, logger="train.tracking.tracker")
     with tracker.run("r", OmegaConf.create({"a": 1})) as run_id:
         tracker.log_metrics({"train/loss": 1.0}, step=1)
         real_log_batch = tracker.client.log_batch
@@ -161,7 +161,7 @@ def test_a_preempted_run_ends_killed_not_failed(store_uri: str, raised, status) 
     """A preempted run goes on when it is requeued: MLflow must not show it as a failure."""
     from mlflow.tracking import MlflowClient
 
-    from train.preemption import Preempted
+    from train.cluster.preemption import Preempted
     import mlflow
     mlflow.end_run()  # an earlier test's store failed at end_run: its run is still active
     tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri))
@@ -302,7 +302,7 @@ def test_a_store_that_died_mid_sweep_is_asked_briefly_at_the_sweep_s_end(
             raise ConnectionError("connection refused")
         return DeadStore()
 
-    monkeypatch.setattr("train.sweep_tracking.mlflow_client", client)
+    monkeypatch.setattr("train.tracking.sweep_run.mlflow_client", client)
     monkeypatch.setenv(PARENT_ENV, "0" * 32)
     config = OmegaConf.create({"logger": {"name": "mlflow", "tracking_uri": "http://h"},
                                "sweep": {"objective": "val/top1", "direction": "maximize"}})
@@ -329,7 +329,7 @@ def test_a_parent_id_left_in_the_shell_is_not_the_new_sweep_s(
 PARENT_AT_A_SIGNAL = """
 import sys
 from omegaconf import OmegaConf
-from train.sweep_tracking import SweepRun, PARENT_ENV
+from train.tracking.sweep_run import SweepRun, PARENT_ENV
 import os
 config = OmegaConf.create({"logger": {"name": "mlflow", "experiment_name": "e",
                                       "tracking_uri": sys.argv[1]},
@@ -378,7 +378,7 @@ def test_python_m_train_unsent_sends_what_was_kept_and_ends_the_run_as_it_ended(
     leave: a torn line, paths outside the run directory, a huge line, values of wrong types."""
     from mlflow.tracking import MlflowClient
 
-    from train import unsent
+    from train.tracking import unsent
 
     client = MlflowClient(tracking_uri=store_uri)
     run_id = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
@@ -428,7 +428,7 @@ def test_python_m_train_unsent_keeps_the_file_while_the_store_is_down(
     """A dead server: one line and exit 1 within the subprocess's timeout under MLflow's
     default HTTP settings (its own retries took 4 minutes); a URI MLflow cannot open at all:
     one line and exit 2. The file stays as it was."""
-    from train import unsent
+    from train.tracking import unsent
 
     kept = unsent.Unsent(uri="http://u:pw@nowhere")
     kept.add_metrics("a" * 32, [("train/loss", 1.0, 1, 1)])
@@ -450,7 +450,7 @@ def test_python_m_train_unsent_keeps_the_file_while_the_store_is_down(
 
 
 def test_the_unsent_file_stays_bounded(tmp_path: Path) -> None:
-    from train import unsent
+    from train.tracking import unsent
 
     kept = unsent.Unsent()
     kept.add_metrics("a" * 32, [("m", float(i), i, i) for i in range(unsent.MAX_METRICS + 7)])
@@ -468,8 +468,8 @@ def test_python_m_train_unsent_leaves_a_live_run_alone(
     FAILED and sent what the trainer sends again itself: refused, one line, exit 2."""
     from mlflow.tracking import MlflowClient
 
-    from train import unsent
-    from train.runlock import LOCK_FILE
+    from train.tracking import unsent
+    from train.cluster.runlock import LOCK_FILE
 
     client = MlflowClient(tracking_uri=store_uri)
     run_id = client.create_run(open_experiment(client, "goodput-trainer")).info.run_id
@@ -506,7 +506,7 @@ def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
     (the run's own, and its end), as if the store were down for good."""
     from mlflow.tracking import MlflowClient
 
-    from train import unsent
+    from train.tracking import unsent
 
     client = MlflowClient(tracking_uri=store_uri)
     experiment = open_experiment(client, "goodput-trainer")
@@ -532,14 +532,15 @@ def test_what_the_store_refuses_is_dropped_not_kept_to_fail_every_send(
     kept.metrics = deque(item for item in kept.metrics if item[0] != nowhere)
     del kept.ends[nowhere]
     unsent.write(tmp_path / unsent.FILE, kept)
-    with caplog.at_level(logging.WARNING, logger="train.unsent"):
+    with caplog.at_level(logging.WARNING, logger="train.tracking.unsent"):
         assert unsent.main([str(tmp_path)]) == 0, capsys.readouterr().err
     assert sorted((m.step, m.value) for m in client.get_metric_history(live, "train/loss")) \
         == [(1, 1.0), (2, 3.0)]
     assert (client.get_run(live).info.status, client.get_run(live).info.end_time) == (
         "FINISHED", 3_000)
     assert not (tmp_path / unsent.FILE).exists()
-    warned = " ".join(r.getMessage() for r in our_records(caplog) if r.name == "train.unsent")
+    warned = " ".join(r.getMessage() for r in our_records(caplog)
+                      if r.name == "train.tracking.unsent")
     assert "bad!name" in warned and deleted in warned, warned
 
 
@@ -547,7 +548,7 @@ def test_a_run_deleted_while_it_trains_is_one_warning_and_nothing_is_kept(
         store_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from mlflow.tracking import MlflowClient
 
-    from train import unsent
+    from train.tracking import unsent
 
     tracker = MLflowTracker(LoggerConfig(tracking_uri=store_uri, system_metrics=False))
     with caplog.at_level(logging.WARNING):
@@ -570,7 +571,7 @@ def test_a_hostile_unsent_file_is_read_in_bounded_memory_and_never_raises(
     floods of runs and files. Each is skipped; the good lines around them are kept."""
     import tracemalloc
 
-    from train import unsent
+    from train.tracking import unsent
 
     run = "a" * 32
     good = json.dumps({"run": run, "metric": ["m", 1.5, 7, 3]}) + "\n"
@@ -607,7 +608,7 @@ def test_what_a_run_kept_is_sent_by_the_next_launch_even_under_a_new_run(
     one's kept values and ends it as it ended."""
     from mlflow.tracking import MlflowClient
 
-    from train import unsent
+    from train.tracking import unsent
 
     def failing(*args, **kwargs):
         raise OSError("connection refused")
@@ -648,7 +649,7 @@ def test_what_a_run_kept_is_sent_by_the_next_launch_even_under_a_new_run(
     ("logger: [1, 2]\n", None), ("{{{", None), ("- " * 10**6, None), ("", None)])
 def test_the_store_a_runs_own_config_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            text: str, expected) -> None:
-    from train import unsent
+    from train.tracking import unsent
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)

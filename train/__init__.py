@@ -3,7 +3,7 @@
 import time
 
 # Goodput counts start-up from here, the first thing `python -m train` runs, so the time
-# spent importing torch after a restart is counted too (train/goodput.py).
+# spent importing torch after a restart is counted too (train/records/goodput.py).
 PROCESS_START = time.perf_counter()
 _jobs_started = 0
 

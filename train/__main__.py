@@ -1,13 +1,13 @@
 """Entry point: `python -m train +experiment=resnet [key=value ...]` (add `-m` to sweep).
 
-Under torchrun every rank runs this with the same arguments (train/launch.py).
+Under torchrun every rank runs this with the same arguments (train/cluster/rank_dirs.py).
 """
 
 import os
 
 _PARENT = os.getppid()  # before the slow imports: torchrun's agent, when it launched us
 
-from train.preemption import catch_start_up  # noqa: E402  (no torch)
+from train.cluster.preemption import catch_start_up  # noqa: E402  (no torch)
 
 catch_start_up(_PARENT)  # first: the imports below take seconds
 
@@ -21,7 +21,7 @@ from omegaconf import DictConfig  # noqa: E402
 from data.redact import strip_credentials  # noqa: E402
 from train.config import register_configs, validate  # noqa: E402
 from train.errors import EXIT_CONFIG, ConfigError  # noqa: E402
-from train.launch import refuse_multirun_under_torchrun  # noqa: E402
+from train.cluster.rank_dirs import refuse_multirun_under_torchrun  # noqa: E402
 
 register_configs()
 

@@ -26,28 +26,30 @@ from data.loader import eval_batches
 from data.dataset import IMAGENET_MEAN, IMAGENET_STD
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler, SplitBatchSampler
-from train import events, job_start
-from train.checkpoint import Checkpointer, build_manager, training_config
+from train import job_start
+from train.records import events
+from train.resume.checkpoint import Checkpointer, build_manager, training_config
 from train.config import Device, LoggerName, Precision, StrategyName
-from train.distributed import World, init_world, launched_by_torchrun, shutdown_world
+from train.cluster.world import World, init_world, launched_by_torchrun, shutdown_world
 from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
                           PreflightError, TrainingError)
 from train.faults import FaultHook, Faults
-from train.ft import NO_REPLICAS, FaultTolerantReplicas, Replicas, check_plan, replica_dir
-from train.goodput import Goodput
-from train.health import HealthMonitor, HealthState, Watchdog
-from train.launch import replica_dir_name, use_node_local_dirs
+from train.recovery.replicas import (NO_REPLICAS, FaultTolerantReplicas, Replicas, check_plan,
+                                     replica_dir)
+from train.records.goodput import Goodput
+from train.recovery.health import HealthMonitor, HealthState, Watchdog
+from train.cluster.rank_dirs import replica_dir_name, use_node_local_dirs
 from train.loop import Learner, LoopPlan, evaluate, fit
-from train.model import build_model
-from train.optim import build_optimizer, build_scheduler
-from train.parallel import full_state_dict, parallelize
-from train.preemption import Preempted, PreemptionFlag, catch_preemption
-from train.preflight import preflight
-from train.runlock import hold_run_lock
-from train.state import (DataIdentity, ModelState, OptimizerState, Position, RNGState,
-                         RunInfo, SchedulerState)
-from train.report import write_run_report
-from train.tracking import NullTracker, describe, parameter_counts, start_tracker
+from train.learn.model import build_model
+from train.learn.optim import build_optimizer, build_scheduler
+from train.learn.strategy import full_state_dict, parallelize
+from train.cluster.preemption import Preempted, PreemptionFlag, catch_preemption
+from train.cluster.preflight import preflight
+from train.cluster.runlock import hold_run_lock
+from train.resume.stateful import (DataIdentity, ModelState, OptimizerState, Position, RNGState,
+                                   RunInfo, SchedulerState)
+from train.records.report import write_run_report
+from train.tracking.tracker import NullTracker, describe, parameter_counts, start_tracker
 
 log = logging.getLogger(__name__)
 

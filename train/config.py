@@ -28,8 +28,8 @@ from data.errors import OnBadFile
 from data.locality import CacheUse
 from data.redact import strip_credentials
 from train.errors import ConfigError
-from train.launch import register_resolvers as register_launch_resolvers
-from train.preemption import DEFAULT_STOP_SIGNALS
+from train.cluster.rank_dirs import register_resolvers as register_launch_resolvers
+from train.cluster.preemption import DEFAULT_STOP_SIGNALS
 
 
 class Device(str, Enum):
@@ -77,12 +77,13 @@ class StrategyName(str, Enum):
     ddp = "ddp"  # DistributedDataParallel: replicated parameters, averaged gradients
     fsdp = "fsdp"  # FSDP2 fully_shard: parameters, gradients and optimizer state sharded
     # In-band recovery on torchft: each data-parallel replica group is its own torchrun job
-    # under a lighthouse; a failed group drops out of the step and rejoins live (train/ft.py)
+    # under a lighthouse; a failed group drops out of the step and rejoins live
+    # (train/recovery/replicas.py)
     ddp_ft = "ddp_ft"
 
 
 class StopSignal(str, Enum):
-    """A signal that stops a run at a committed checkpoint (train/preemption.py)."""
+    """A signal that stops a run at a committed checkpoint (train/cluster/preemption.py)."""
 
     SIGTERM = "SIGTERM"
     SIGINT = "SIGINT"
@@ -488,7 +489,7 @@ class AuditConfig:
 
 @dataclass
 class HealthConfig:
-    """Rollback on bad steps, replica checks, and the hang watchdog (train/health.py)."""
+    """Rollback on bad steps, replica checks, and the hang watchdog (train/recovery/health.py)."""
 
     enabled: bool = True
     spike_factor: float = bounded(10.0, gt=1)  # a loss above this x the running median is a spike
@@ -556,7 +557,7 @@ def _name_part(text: str, limit: int = 32) -> str:
 
 
 MAX_RUN_NAME = 120  # a directory name, an MLflow run name and a line of `ls`
-SWEPT_KEYS_ENV = "GOODPUT_SWEPT_KEYS"  # set by the sweep's record (train/sweep_record.py)
+SWEPT_KEYS_ENV = "GOODPUT_SWEPT_KEYS"  # set by the sweep's record (train/tracking/sweep_record.py)
 
 
 def default_run_name(experiment: Optional[str], overrides: List[str], excludes: List[str],

@@ -17,18 +17,18 @@ from data.dataset import normalize
 from data.ledger import LedgerWriter, open_ledger
 from data.loader import Batch
 from data.metrics import data_metrics, record_batches
-from train import events
-from train.checkpoint import Checkpointer
+from train.records import events
+from train.resume.checkpoint import Checkpointer
 from train.errors import TrainingError
 from train.faults import NO_FAULTS, FaultHook
-from train.ft import NO_REPLICAS, Replicas, StepNotCommitted
-from train.goodput import Goodput
-from train.health import HealthMonitor, Watchdog
-from train.parallel import gradient_sync, runs_in_lockstep
-from train.preemption import Preempted, PreemptionFlag
-from train.progress import ProgressBar
-from train.state import Position
-from train.tracking import NullTracker, describe
+from train.recovery.replicas import NO_REPLICAS, Replicas, StepNotCommitted
+from train.records.goodput import Goodput
+from train.recovery.health import HealthMonitor, Watchdog
+from train.learn.strategy import gradient_sync, runs_in_lockstep
+from train.cluster.preemption import Preempted, PreemptionFlag
+from train.tracking.progress import ProgressBar
+from train.resume.stateful import Position
+from train.tracking.tracker import NullTracker, describe
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import torch
 from checkpointing import commit
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
-from train.state import (DataIdentity, ModelState, OptimizerState, Position, position_state,
-                         read_position)
+from train.resume.stateful import (DataIdentity, ModelState, OptimizerState, Position,
+                                   position_state, read_position)
 
 IDENTITY = DataIdentity(0, 30, 10)
 

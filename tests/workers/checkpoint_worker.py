@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from checkpointing.manager import CheckpointManager, CheckpointOptions
-from train.distributed import init_world, shutdown_world
-from train.state import ModelState, OptimizerState, RNGState
+from train.cluster.world import init_world, shutdown_world
+from train.resume.stateful import ModelState, OptimizerState, RNGState
 
 
 def build(seed: int) -> tuple:

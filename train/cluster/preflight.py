@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from train.distributed import World, launched_by_torchrun
+from train.cluster.world import World, launched_by_torchrun
 from train.errors import PreflightError, TrainingError
 from train.faults import NO_FAULTS, FaultHook
 

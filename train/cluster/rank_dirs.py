@@ -27,13 +27,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from train.errors import EXIT_CONFIG, ConfigError
-from train.slurm import torchrun_environment
+from train.cluster.slurm import torchrun_environment
 
 log = logging.getLogger(__name__)
 
 
 def _launcher_value(name: str, default: int) -> int:
-    """torchrun's variable `name` (RANK, WORLD_SIZE), else srun's task's (train/slurm.py),
+    """torchrun's variable `name` (RANK, WORLD_SIZE), else srun's task's (train/cluster/slurm.py),
     else `default` (a single process)."""
     try:
         return int(os.environ.get(name) or torchrun_environment(os.environ).get(name, default))

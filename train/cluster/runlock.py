@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 from common.distributed import broadcast_object
 from common.processes import pid_alive
-from train.distributed import World
+from train.cluster.world import World
 from train.errors import ConfigError
-from train.launch import mark_latest_record
+from train.cluster.rank_dirs import mark_latest_record
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ nodes (`SLURM_STEP_NODELIST`, else the job's: an `srun -w node[3-4]` step in a l
 allocation runs no task on the job's first node) hosts the rendezvous store, on
 `MASTER_PORT` when set, else a port derived from the job id (every task of the job derives
 the same). No torch import here:
-train/launch.py reads the rank while Hydra composes.
+train/cluster/rank_dirs.py reads the rank while Hydra composes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Process groups: from torchrun's environment (or SLURM's, read as torchrun's: `srun python
--m train`, train/slurm.py), else a 1-rank gloo group.
+-m train`, train/cluster/slurm.py), else a 1-rank gloo group.
 
 Even a single process gets a group, so the checkpoint path is the same code at any scale
 (and DCP's process-based async save has one to use). Everything but training's own
@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from train.slurm import torchrun_environment
+from train.cluster.slurm import torchrun_environment
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from train.config import StrategyConfig, StrategyName
-from train.distributed import World
+from train.cluster.world import World
 from train.errors import ConfigError
-from train.ft import replicas_of
+from train.recovery.replicas import replicas_of
 
 # FSDP2 averages fp32/bf16 gradients inside the reduce-scatter, with ReduceOp.AVG
 # (_fsdp_collectives._get_gradient_divide_factors). pytorch#162338 (open) reports gloo summing
@@ -35,8 +35,8 @@ from train.ft import replicas_of
 def parallelize(model: torch.nn.Module, cfg: StrategyConfig, world: World,
                 device: torch.device) -> torch.nn.Module:
     """The model wrapped for `cfg.name`: as it is, in DDP, or sharded in place by FSDP2.
-    Under ddp_ft it stays as it is: `train.ft` averages its gradients across ranks and
-    replica groups once it has joined them."""
+    Under ddp_ft it stays as it is: `train.recovery.replicas` averages its gradients across ranks
+    and replica groups once it has joined them."""
     name = StrategyName(cfg.name)
     if name == StrategyName.ddp_ft:
         return model

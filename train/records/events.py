@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from common.files import ends_torn
 from data.redact import strip_credentials
-from train.preemption import Preempted
+from train.cluster.preemption import Preempted
 
 log = logging.getLogger(__name__)
 

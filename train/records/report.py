@@ -6,7 +6,7 @@ wall time, every attempt's start-up, checkpoints, failures, restarts, and the wo
 done again). Rank 0 also makes it at the end of every run, and logs the picture to MLflow.
 
 Where the numbers come from: the five parts are read from `goodput.json`, what the run's
-own accounting recorded (train/goodput.py), not recomputed from the events. The events mark
+own accounting recorded (train/records/goodput.py), not recomputed from the events. The events mark
 boundaries (a start, a save, a fault), not every step, so compute and data wait can only
 come from the loop's own timing; a second computation would be a copy of goodput.py's rules
 that could drift from them; and the table then says exactly what MLflow's `goodput` metrics
@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from common.files import atomic_file
-from train.events import EVENTS_FILE, Event, EventStream
-from train.goodput import PARTS
+from train.records.events import EVENTS_FILE, Event, EventStream
+from train.records.goodput import PARTS
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ def table(run: Run) -> str:
                  + (f" ({kinds})" if kinds else ""))
     lines.append(status(run))
     alone = [a.alone for a in run.attempts if a.alone is not None]
-    if alone:  # strategy=ddp_ft (train/ft.py)
+    if alone:  # strategy=ddp_ft (train/recovery/replicas.py)
         lines.append(f"trained alone at the end: steps {alone[-1]['steps']} (no other replica "
                      f"group took part in them or after them: this group's final weights are "
                      f"its own)")
@@ -683,6 +683,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"picture: {out}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

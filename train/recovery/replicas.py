@@ -22,7 +22,7 @@ What keeps the groups honest with each other:
 
 - Groups train together only if they train the same thing on as many ranks: whenever the
   quorum's members change, every participant's rank 0 publishes its training config (what
-  the run identity covers, `train.checkpoint.training_config`, credentials stripped) and
+  the run identity covers, `train.resume.checkpoint.training_config`, credentials stripped) and
   its rank count through the quorum's store before the process group forms, and before
   any heal. The group furthest ahead (at a tie, the lowest replica id)
   sets what is trained; a group that differs from it is refused with one line naming the
@@ -58,20 +58,20 @@ import torch
 import torch.distributed as dist
 
 from data.redact import strip_credentials
-from train import events
+from train.records import events
 from train.config import FaultToleranceConfig
-from train.distributed import World
+from train.cluster.world import World
 from train.errors import ConfigError, TrainingError
 from train.faults import FaultHook
-from train.health import HealthState, parameter_checksum
-from train.launch import replica_dir_name
-from train.state import Position, SchedulerState, changed_keys
+from train.recovery.health import HealthState, parameter_checksum
+from train.cluster.rank_dirs import replica_dir_name
+from train.resume.stateful import Position, SchedulerState, changed_keys
 
 log = logging.getLogger(__name__)
 
 Split = Tuple[int, int]  # (this trainer's slot, the step's number of slots)
 
-# The model each trainer's replica set serves: how `train.parallel` tells a model whose
+# The model each trainer's replica set serves: how `train.learn.strategy` tells a model whose
 # gradients are averaged across replica groups (no wrapper, so state-dict keys stay plain).
 _REPLICAS: "weakref.WeakKeyDictionary[torch.nn.Module, FaultTolerantReplicas]" = \
     weakref.WeakKeyDictionary()

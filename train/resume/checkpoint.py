@@ -18,14 +18,14 @@ from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from data.redact import strip_credentials
-from train import events
+from train.records import events
 from train.config import ResumeMode
-from train.distributed import World
+from train.cluster.world import World
 from train.errors import ConfigError
 from train.faults import NO_FAULTS, FaultHook
-from train.state import (DataIdentity, Position, RunInfo, changed_keys, position_state,
-                         read_position)
-from train.tracking import flatten
+from train.resume.stateful import (DataIdentity, Position, RunInfo, changed_keys, position_state,
+                                   read_position)
+from train.tracking.tracker import flatten
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import time
 from typing import Dict, Optional
 
 from common.progress import is_interactive, progress_bar
-from train.tracking import describe
+from train.tracking.tracker import describe
 
 log = logging.getLogger(__name__)
 

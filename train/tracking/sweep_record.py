@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from common.files import atomic_file
 from data.redact import strip_credentials
 from train.config import SWEPT_KEYS_ENV
-from train.sweep_tracking import PARENT_ENV, one_line
+from train.tracking.sweep_run import PARENT_ENV, one_line
 
 log = logging.getLogger(__name__)
 RECORD_ENV = "GOODPUT_SWEEP_RECORD"  # the record's directory, for the jobs' processes

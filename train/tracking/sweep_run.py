@@ -9,9 +9,9 @@ processes inherit the environment, and sbatch exports it to SLURM jobs by defaul
 
 Why not a parent that the jobs find or create under a file lock: a lock on the shared
 file system that SLURM jobs see is not to be trusted; one creation in one process needs
-none. The parent is named by the sweep's id (`sweep-<id>`, train/sweep_record.py) and
-tagged with its record's directory (`sweep.record`). Each job names the parent when its run starts (train/tracking.py) and, when
-it ends, records the best objective so far on the parent (`best/<objective>`, its step the
+none. The parent is named by the sweep's id (`sweep-<id>`, train/tracking/sweep_record.py) and
+tagged with its record's directory (`sweep.record`). Each job names the parent when its run starts (train/tracking/tracker.py)
+and, when it ends, records the best objective so far on the parent (`best/<objective>`, its step the
 number of jobs compared, so a stale write never hides a newer one); after the last job the
 callback records it once more and ends the parent.
 
@@ -114,7 +114,7 @@ def create_parent_run(config: DictConfig) -> str:
             "sweep.direction": value_of(config.sweep.direction),
             "sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
             "sweep.launcher": str(OmegaConf.select(config, "hydra.launcher._target_"))}
-    from train.sweep_record import record_dir, sweep_id_of  # it imports this module
+    from train.tracking.sweep_record import record_dir, sweep_id_of  # it imports this module
 
     record = record_dir(config)
     if record is not None:

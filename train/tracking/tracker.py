@@ -19,14 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 from common.distributed import broadcast_object
 from data.redact import hide_storage_secrets, strip_credentials
 from train.config import LoggerConfig, LoggerName
-from train.distributed import World
+from train.cluster.world import World
 from train.errors import ConfigError
-from train import unsent
-from train.preemption import Preempted
-from train.sweep_tracking import (CHECK_HTTP_SETTINGS, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT,
-                                  PARENT_ENV, SweepJob, current_sweep_job, environment,
-                                  one_line, parent_problem, record_best, sqlite_creation_lock,
-                                  value_of)
+from train.tracking import unsent
+from train.cluster.preemption import Preempted
+from train.tracking.sweep_run import (CHECK_HTTP_SETTINGS, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT,
+                                      PARENT_ENV, SweepJob, current_sweep_job, environment,
+                                      one_line, parent_problem, record_best, sqlite_creation_lock,
+                                      value_of)
 
 log = logging.getLogger(__name__)
 MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params
@@ -114,7 +114,7 @@ class NullTracker:
 class MLflowTracker:
     """Rank 0's MLflow run. A store that fails mid-run never stops training: what it did not
     take (metrics, system metrics, artifacts, the run's end) waits in memory and in the run
-    directory's mlflow_unsent.jsonl (train/unsent.py), and is sent when the store answers
+    directory's mlflow_unsent.jsonl (train/tracking/unsent.py), and is sent when the store answers
     again: later in the run, at the run's next launch, or by `python -m train.unsent`."""
 
     def __init__(self, cfg: LoggerConfig) -> None:

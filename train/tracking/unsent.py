@@ -9,7 +9,7 @@
     {"run": ID, "end": [status, end_time_ms]}         how and when the run ended (null:
                                                       its process died, time unknown)
 
-The tracker (train/tracking.py) writes it while the store fails and deletes it once all is
+The tracker (train/tracking/tracker.py) writes it while the store fails and deletes it once all is
 sent; the next launch of the run sends what it holds, and so does
 
     python -m train.unsent RUN_DIR [--tracking-uri URI]
@@ -44,7 +44,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tu
 
 from common.files import atomic_file
 from data.redact import strip_credentials
-from train.sweep_tracking import CHECK_HTTP_SETTINGS, one_line
+from train.tracking.sweep_run import CHECK_HTTP_SETTINGS, one_line
 
 log = logging.getLogger(__name__)
 FILE = "mlflow_unsent.jsonl"
@@ -351,11 +351,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 @contextmanager
 def run_lock(run_dir: Path) -> Iterator[Optional[str]]:
-    """The run's lock (train/runlock.py) for the block, so that no trainer of the run starts
-    meanwhile; yields None, or the live trainer that holds it, in words."""
+    """The run's lock (train/cluster/runlock.py) for the block, so that no trainer of the run
+    starts meanwhile; yields None, or the live trainer that holds it, in words."""
     import fcntl
 
-    from train.runlock import LOCK_FILE, describe_holder
+    from train.cluster.runlock import LOCK_FILE, describe_holder
 
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -443,6 +443,3 @@ def _send_kept(args: argparse.Namespace, path: Path) -> int:
               f"again (it trains nothing and logs the model)")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
