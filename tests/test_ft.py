@@ -22,7 +22,7 @@ from data.sampler import split_bounds  # noqa: E402
 from support.launch import finish, free_port, launch, port_open, torchrun, wait_for  # noqa: E402
 from support.ledger import assert_exactly_once, ledger_records, surviving_history  # noqa: E402
 from support.runs import train_args  # noqa: E402
-from data.redact import strip_credentials  # noqa: E402
+from common.redact import strip_credentials  # noqa: E402
 from train.ft import (apply_means, checksum_slots, drift_of, identity_of, judge,  # noqa: E402
                       read_checksums, spans, weighted_sums)
 

@@ -17,7 +17,7 @@ from checkpointing import plan
 from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
-from data.redact import strip_credentials
+from common.redact import strip_credentials
 from train import events
 from train.config import ResumeMode
 from train.distributed import World

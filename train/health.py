@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from common.files import atomic_write
+from common.run_files import HEALTH_FILE
 from train.config import HealthConfig
 from train.errors import TrainingError
 
@@ -57,7 +58,7 @@ class HealthMonitor:
     def __init__(self, cfg: HealthConfig, state: HealthState, rank: int,
                  run_dir: Path, replicated: bool) -> None:
         self.cfg, self.state, self.rank = cfg, state, rank
-        self.skips_file = run_dir / "health.json"
+        self.skips_file = run_dir / HEALTH_FILE
         self.replicated = replicated  # DDP: every rank holds the same parameters
         self.rollbacks = 0
 

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from common.files import atomic_file
-from data.redact import strip_credentials
-from train.sweep_tracking import CHECK_HTTP_SETTINGS, one_line
+from common.redact import one_line, strip_credentials
+from train.sweep_tracking import CHECK_HTTP_SETTINGS
 
 log = logging.getLogger(__name__)
 FILE = "mlflow_unsent.jsonl"
