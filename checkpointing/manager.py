@@ -40,7 +40,7 @@ from checkpointing.staging import WarmStager
 from checkpointing.storage import Store
 from checkpointing.verify import listed_files
 from checkpointing.writer import Writer, take_records
-from common.distributed import broadcast_object
+from common.distributed import broadcast_object, every_rank
 from common.processes import stop_signals_kept_from_helpers
 from common.files import CHUNK
 from common.redact import one_line
@@ -174,11 +174,7 @@ class CheckpointManager:
         return obj if self.group is None else broadcast_object(obj, self.group)
 
     def _all_true(self, flag: bool) -> bool:
-        if self.group is None or self.world_size == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return flag if self.group is None else every_rank(flag, group=self.group)
 
     def _agree_on_attempt_id(self) -> str:
         return self._broadcast(f"{int(time.time())}-{uuid.uuid4().hex[:8]}")

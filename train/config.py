@@ -521,7 +521,7 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
-def _matches(key: str, prefixes: List[str]) -> bool:
+def _matches(key: str, prefixes: Sequence[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
@@ -530,6 +530,15 @@ def _matches(key: str, prefixes: List[str]) -> bool:
 LOCATION_KEYS = ["hydra", "run", "checkpoint.dir", "checkpoint.staging_dir",
                  "checkpoint.storage_options", "data.cache_dir", "data.storage_options",
                  "audit.ledger", "logger.tracking_uri"]
+# Keys that never change what is trained, whatever `run.exclude_keys` says: where a run's
+# files go, and how it checkpoints and audits itself.
+NEVER_TRAINED = [*LOCATION_KEYS, "checkpoint", "audit"]
+
+
+def changes_training(key: str, excludes: Sequence[str]) -> bool:
+    """Whether the (dotted) config key `key` changes what is trained, given the keys a
+    run's identity leaves out (`run.exclude_keys`)."""
+    return not _matches(key, [*excludes, *NEVER_TRAINED])
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # a name stays one portable, shell-safe word
 
