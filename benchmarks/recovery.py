@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,8 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from data import synthetic  # noqa: E402
-from support.launch import finish, free_port, launch, port_open, torchrun, wait_for  # noqa: E402
+from support.launch import finish, free_port, launch, torchrun  # noqa: E402
 from support.launch import worker_pids  # noqa: E402
+from support.lighthouse import start_lighthouse  # noqa: E402
 from support.ledger import ledger_records  # noqa: E402
 
 
@@ -93,12 +93,7 @@ def restart_path(opts: argparse.Namespace, work: Path, faults: Dict[str, str]) -
 
 def inband_path(opts: argparse.Namespace, work: Path, g: int) -> List[str]:
     runs, port = work / "inband", free_port()
-    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1",
-                                   "--quorum_tick_ms", "100", "--join_timeout_ms", "2000",
-                                   "--heartbeat_timeout_ms", "1000",
-                                   "--bind", f"127.0.0.1:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: port_open(port), "the lighthouse", timeout=30)
+    lighthouse = start_lighthouse(port)
     faults = {f"kill:step={g}": "SIGKILL group 1", f"kill:step={2 * g}": "SIGKILL group 0"}
     jobs = []
     try:

@@ -460,15 +460,14 @@ def ranks_worker(out: Path, steps: int, saves: int) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from checkpoint_stall import synchronous_saves
     from train.cluster.world import init_world, shutdown_world
-    from train.recovery.health import agree_on_flag
+    from common.distributed import any_rank
 
     world = init_world(torch.device("cpu"))
     health, flags = [], []
     for _ in range(steps):
         summed = torch.tensor([0.5, 0.0, 0.0, 0.0], dtype=torch.float64)
         health.append(timed(lambda: dist.all_reduce(summed)))
-        flags.append(timed(lambda: agree_on_flag(False, torch.device("cpu"),
-                                                 world.world_size)))
+        flags.append(timed(lambda: any_rank(False, torch.device("cpu"))))
     torch.manual_seed(0)
     state = {"model": torch.nn.Linear(256, 256).state_dict()}
     save_times = synchronous_saves(out, world, state, saves)
@@ -557,7 +556,7 @@ def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve
                 (wrote["bytes"] + saves * 2 * (m.ranks - 1) * per_line) / 1e6)
             add("goodput.json", "days", "MB", days, (run_dir / "goodput.json").stat().st_size / 1e6)
             for name, module, args in (
-                    ("report", "train.report", [str(run_dir)]),
+                    ("report", "train.records.report", [str(run_dir)]),
                     ("plan --from-run", "checkpointing.plan", ["--from-run", str(run_dir),
                                                                "--mtbf-hours", "34"])):
                 seconds, peak = child(module, args)

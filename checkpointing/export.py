@@ -44,12 +44,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpointing import commit
 from checkpointing.claims import ClaimMismatch, check_model, check_step, tensor_schema
-from checkpointing.manager import one_line, quiet_single_process_dcp
+from checkpointing.manager import dcp_cause, quiet_single_process_dcp
 from checkpointing.safe_load import (SafeFileSystemReader, SafeLoadPlanner,
                                      UnsafeCheckpointError, load_metadata)
 from checkpointing.storage import Store, StoreUnavailable
 from common.files import atomic_file
-from data.redact import strip_credentials
+from common.redact import one_line, strip_credentials
 
 MODEL_KEY = "model"
 # The checkpoint's record of the model card (train/app.py): JSON in the `run` header
@@ -123,7 +123,7 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
             dcp.load(state, storage_reader=SafeFileSystemReader(str(checkpoint_dir)),
                      planner=SafeLoadPlanner(), no_dist=True)
     except (CheckpointException, UnsafeCheckpointError) as err:
-        raise ExportError(f"loading {checkpoint_dir} failed: {one_line(err)}") from None
+        raise ExportError(f"loading {checkpoint_dir} failed: {one_line(dcp_cause(err))}") from None
     card = card_of(state.pop(CARD_KEY), checkpoint_dir) if CARD_KEY in state else None
     check_claims(checkpoint_dir, state.pop(STEP_KEY, None), card,
                  {k[len(prefix):]: (v.size, v.properties.dtype) for k, v in entries.items()})
@@ -235,7 +235,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
         return 2
     except Exception as err:  # an object store's client has errors of its own (botocore's)
-        print(f"error: cannot read {args.ckpt} ({strip_credentials(one_line(err))}): check "
+        print(f"error: cannot read {args.ckpt} ({one_line(dcp_cause(err))}): check "
               f"the URL, the endpoint and the credentials", file=sys.stderr)
         return 2
     print(f"exported the model of {source} (step {step}) to {args.out}")

@@ -34,19 +34,21 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from checkpointing import commit
 from checkpointing.checksums import WRITE_ALGORITHM
 from checkpointing.commit import FileRecord
+from checkpointing.options import MIN_KEEP_LAST, AsyncMode, CheckpointFormat
 from checkpointing.safe_load import SafeLoadPlanner, safe_reader
 from checkpointing.staging import WarmStager
 from checkpointing.storage import Store
 from checkpointing.verify import listed_files
 from checkpointing.writer import Writer, take_records
-from common.distributed import broadcast_object
+from common.distributed import broadcast_object, every_rank
 from common.processes import stop_signals_kept_from_helpers
 from common.files import CHUNK
+from common.redact import one_line
 
 log = logging.getLogger(__name__)
 
-ASYNC_MODES = ("off", "thread", "process")
-FORMATS = ("dcp", "raw")  # checkpointing.writer: DCP's standard format, or bare tensor bytes
+ASYNC_MODES = tuple(mode.value for mode in AsyncMode)
+FORMATS = tuple(f.value for f in CheckpointFormat)  # checkpointing.writer: DCP's, or bare bytes
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -92,9 +94,10 @@ class CheckpointOptions:
         if self.async_mode not in ASYNC_MODES:
             raise ValueError(f"checkpoint.async_mode={self.async_mode!r}: use one of "
                              f"{', '.join(ASYNC_MODES)}")
-        if self.keep_last < 2:
-            raise ValueError(f"checkpoint.keep_last={self.keep_last}: keep at least 2, so a "
-                             f"checkpoint damaged after its commit still has a fallback")
+        if self.keep_last < MIN_KEEP_LAST:
+            raise ValueError(f"checkpoint.keep_last={self.keep_last}: keep at least "
+                             f"{MIN_KEEP_LAST}, so a checkpoint damaged after its commit still "
+                             f"has a fallback")
 
 
 def _causes(err: BaseException) -> Iterator[BaseException]:
@@ -111,11 +114,10 @@ def _causes(err: BaseException) -> Iterator[BaseException]:
         todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
 
 
-def one_line(err: BaseException) -> str:
-    """What went wrong, without DCP's tracebacks: the innermost error's type and first line."""
-    cause = next((e for e in _causes(err) if not isinstance(e, CheckpointException)), err)
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[0]}" if text else type(cause).__name__
+def dcp_cause(err: BaseException) -> BaseException:
+    """What went wrong, without DCP's tracebacks: the innermost error that is not DCP's
+    wrapper (whose str() holds every rank's traceback)."""
+    return next((e for e in _causes(err) if not isinstance(e, CheckpointException)), err)
 
 
 def _free_bytes(where: str) -> float:
@@ -172,11 +174,7 @@ class CheckpointManager:
         return obj if self.group is None else broadcast_object(obj, self.group)
 
     def _all_true(self, flag: bool) -> bool:
-        if self.group is None or self.world_size == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return flag if self.group is None else every_rank(flag, group=self.group)
 
     def _agree_on_attempt_id(self) -> str:
         return self._broadcast(f"{int(time.time())}-{uuid.uuid4().hex[:8]}")
@@ -395,7 +393,7 @@ class CheckpointManager:
         error, where = failure
         if where == self.remote.url and not self.remote.is_local:
             self._discard(self._pending_step, uploading=True)
-            self.last_failure = one_line(error)
+            self.last_failure = one_line(dcp_cause(error))
             self._report_failed_upload(report)
             return False
         full = _free_bytes(where) < max(self._checkpoint_bytes(), CHUNK)  # before _discard
@@ -459,7 +457,7 @@ class CheckpointManager:
         errnos = {e.errno for e in _causes(error) if isinstance(e, OSError)}
         # torch's zip writer reports a short write as "unexpected pos", with no errno to go by
         if not (errnos & set(NO_SPACE) or (full and not errnos)):
-            return one_line(error)
+            return one_line(dcp_cause(error))
         keep, size = self.options.keep_last, self._checkpoint_bytes()
         room = (f"about {_megabytes((keep + 1) * size)} ({keep + 1} checkpoints of about "
                 f"{_megabytes(size)})" if size else f"room for {keep + 1} checkpoints")
@@ -548,7 +546,8 @@ class CheckpointManager:
                                                        self.remote.storage_options),
                      planner=SafeLoadPlanner(allow_partial_load=partial), **self._dcp_kwargs())
         except CheckpointException as err:
-            log.warning("checkpoint %s failed to load (%s): skipping it", source, one_line(err))
+            log.warning("checkpoint %s failed to load (%s): skipping it", source,
+                        one_line(dcp_cause(err)))
             return False
         self.last_complete_step = step
         return True

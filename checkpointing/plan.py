@@ -27,16 +27,18 @@ Exit code 0, or 2 with one line when the input is unusable.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import yaml
+
+from common.jsonl import records
+from common.run_files import EVENTS_FILE, GOODPUT_FILE, read_goodput
 
 HOUR = 3600.0
 GOLDEN = (math.sqrt(5) - 1) / 2
@@ -222,20 +224,6 @@ class RunMeasures:
     source: str
 
 
-def read_json_lines(path: Path) -> Iterator[Dict]:
-    """The well-formed JSON objects of `path`, one a line, one at a time (a month of events
-    at 1,024 ranks is hundreds of MB); a torn or foreign line is skipped (the file is
-    appended to by processes that may die mid-line)."""
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:  # a huge integer parses as inf, for `usable` to drop (not OverflowError)
-                record = json.loads(line, parse_int=float)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(record, dict):
-                yield record
-
-
 def usable(values: Iterable[object]) -> List[float]:
     """The numbers among `values` from 0 to LARGEST (the file is hostile input)."""
     return [float(v) for v in values if isinstance(v, (int, float))
@@ -282,11 +270,13 @@ class RunEvents:
 def from_events(run_dir: Path) -> Optional[RunMeasures]:
     """Medians over `RUN_DIR/events.jsonl` (train/records/events.py): each save staged (the stall)
     and committed (its whole duration), each resume; None when it holds no committed save."""
-    path = run_dir / "events.jsonl"
+    path = run_dir / EVENTS_FILE
     if not path.is_file():
         return None
     events = RunEvents()
-    for record in read_json_lines(path):
+    # one line at a time (a month of events at 1,024 ranks is hundreds of MB); a huge
+    # integer parses as inf, for `usable` to drop
+    for record in records(path, parse_int=float):
         events.add(record)
     stalls, saves = usable(events.stalls), usable(events.saves)
     if not stalls or not saves:
@@ -303,13 +293,11 @@ def from_events(run_dir: Path) -> Optional[RunMeasures]:
 
 def step_seconds(run_dir: Path) -> Optional[float]:
     """Compute and data wait per counted step, from the run's goodput totals."""
-    try:
-        totals = json.loads((run_dir / "goodput.json").read_text())
-        busy = float(totals["seconds"]["compute"]) + float(totals["seconds"]["data_wait"])
-        steps = int(totals["counted_steps"])
-    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+    totals, _ = read_goodput(run_dir / GOODPUT_FILE)
+    if totals is None or totals.counted_steps <= 0:
         return None
-    return busy / steps if steps > 0 and 0 < busy < math.inf else None
+    busy = totals.seconds["compute"] + totals.seconds["data_wait"]
+    return busy / totals.counted_steps if 0 < busy < math.inf else None
 
 
 def measured_in(run_dir: Path) -> RunMeasures:
@@ -319,7 +307,7 @@ def measured_in(run_dir: Path) -> RunMeasures:
     try:
         measures = from_events(run_dir)
     except OSError as err:
-        raise PlanError(f"cannot read {run_dir / 'events.jsonl'} ({err.strerror or err}): "
+        raise PlanError(f"cannot read {run_dir / EVENTS_FILE} ({err.strerror or err}): "
                         f"check its permissions, or give --stall-seconds and "
                         f"--restart-seconds") from None
     if measures is None:

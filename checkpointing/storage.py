@@ -20,7 +20,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from checkpointing.checksums import checksum_of
-from data.redact import strip_credentials
+from common.redact import one_line, strip_credentials
 from common.files import CHUNK, atomic_write, fsync_dir
 from common.retry import retry
 
@@ -54,7 +54,7 @@ class Store:
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         except (ValueError, ImportError) as err:
-            raise StoreUnavailable(f"cannot open {self.url}: {str(err).splitlines()[0]} (a "
+            raise StoreUnavailable(f"cannot open {self.url}: {one_line(err, named=False)} (a "
                                    f"URL needs its fsspec package, e.g. s3fs for s3://)") \
                 from None
         self.is_local = isinstance(self.fs, LocalFileSystem)

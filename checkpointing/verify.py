@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 from checkpointing import commit
 from checkpointing.storage import Store, StoreUnavailable
-from data.redact import strip_credentials
+from common.redact import one_line
 
 
 def listed_files(store: Store, directory: str) -> Tuple[int, int]:
@@ -78,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="a checkpoint.dir (holding step_* directories): a path or an "
                              "fsspec URL")
     args = parser.parse_args(argv)
-    from checkpointing.manager import one_line  # here: the manager imports this module
+    from checkpointing.manager import dcp_cause  # here: the manager imports this module
     try:
         store = Store(args.dir)
         if not store.fs.isdir(store.root):
@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # an object store's client has errors of its own (botocore's)
-        print(f"error: cannot read {args.dir} ({strip_credentials(one_line(err))}): check "
+        print(f"error: cannot read {args.dir} ({one_line(dcp_cause(err))}): check "
               f"the URL, the endpoint and the credentials", file=sys.stderr)
         return 2
     for line in lines:

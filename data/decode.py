@@ -33,6 +33,8 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
+from common.redact import one_line
+
 T = TypeVar("T")
 Buffer = Union[bytes, bytearray]
 
@@ -191,23 +193,17 @@ def _decode_pil(data: Buffer, max_pixels: int) -> torch.Tensor:
             image = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
     except Image.DecompressionBombError as err:
         raise BadImageError(f"declares more pixels than PIL's decompression-bomb limit "
-                            f"({one_line(err)})") from None
+                            f"({one_line(err, limit=100)})") from None
     except Exception as err:
         raise BadImageError(f"not a JPEG, nor an image PIL reads as "
                             f"{', '.join(f.lower() for f in PIL_FORMATS)} "
-                            f"({one_line(err)})") from None
+                            f"({one_line(err, limit=100)})") from None
     check_size(*image.size, max_pixels)
     try:
         # ImageFile.LOAD_TRUNCATED_IMAGES stays False: a truncated file raises here.
         return F.pil_to_tensor(image.convert("RGB"))
     except Exception as err:
-        raise BadImageError(f"corrupt {image.format} ({one_line(err)})") from None
-
-
-def one_line(err: Exception) -> str:
-    """An exception as a short single line: decoders may quote the file's own bytes."""
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:100]}" if text else type(err).__name__
+        raise BadImageError(f"corrupt {image.format} ({one_line(err, limit=100)})") from None
 
 
 _capture_lock = threading.Lock()

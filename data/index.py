@@ -23,7 +23,7 @@ import numpy as np
 from common.files import atomic_file
 from data.decode import IMAGE_SUFFIXES
 from data.errors import DatasetError
-from data.redact import strip_credentials
+from common.redact import strip_credentials
 from data.volume import Volume
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ One file for all ranks. Each line is one optimizer step of one rank,
      "world": 2, "time": 1764489600.123}
 
 (`world`: the world size that trained it; `time`: when, in seconds since the epoch; a step
-a health rollback skipped has `"loss": null, "skipped": true`), written with a single
-`os.write` on an `O_APPEND` descriptor, so lines from concurrent ranks never interleave. A
-crash can leave the last line torn; `read_ledger` ignores it. A resumed run recomputes the
+a health rollback skipped has `"loss": null, "skipped": true`), appended whole
+(common/jsonl.py), so lines from concurrent ranks never interleave. A crash can leave the
+last line torn; `read_ledger` ignores it. A resumed run recomputes the
 steps after its checkpoint and appends them again; the last record of a (step, rank) is the
 surviving history (after a world-size change, the records of the last world size that
 recorded the step).
@@ -16,26 +16,22 @@ recorded the step).
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch.distributed as dist
 
-from common.files import ends_torn
+from common.jsonl import Appender, records
+
+# A rank's line lists its share of a global batch: 4 MB holds ~400,000 sample indices.
+MAX_LEDGER_LINE = 1 << 22
 
 
 class LedgerWriter:
     def __init__(self, path: Path, rank: int, world_size: int = 1) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size = rank, world_size
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if ends_torn(Path(path)):
-            # End a crashed run's torn line, so our first record starts a line of its own
-            # (racing ranks may add a blank line or two; readers skip them).
-            os.write(self._fd, b"\n")
+        self._file = Appender(path)
 
     def record(self, step: int, epoch: int, samples: Iterable[int], loss: Optional[float],
                rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
@@ -49,14 +45,10 @@ class LedgerWriter:
                  "time": round(time.time(), 3)}
         if loss is None:
             entry["skipped"] = True
-        line = json.dumps(entry, separators=(",", ":")) + "\n"
-        data = line.encode()
-        written = os.write(self._fd, data)
-        if written != len(data):  # a regular file takes an append whole, or the disk is full
-            raise OSError(f"short write to the audit ledger ({written} of {len(data)} bytes)")
+        self._file.append(entry)
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._file.close()
 
     def __enter__(self) -> "LedgerWriter":
         return self
@@ -77,17 +69,12 @@ def open_ledger(path: Optional[str], rank: Optional[int] = None) -> Optional[Led
 
 def read_ledger(path: Path) -> Dict[Tuple[int, int], dict]:
     """{(step, rank): record}, the last record of each. A torn last line is ignored, and so
-    is a torn line a resumed run has since ended with a newline."""
-    records: Dict[Tuple[int, int], dict] = {}
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                break  # the torn tail of a crashed write
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                records[(int(record["step"]), int(record["rank"]))] = record
-            except (ValueError, KeyError, TypeError):
-                continue
-    return records
+    is a torn line a resumed run has since ended with a newline, and a line longer than
+    MAX_LEDGER_LINE (skipped unread)."""
+    last: Dict[Tuple[int, int], dict] = {}
+    for record in records(path, MAX_LEDGER_LINE):
+        try:
+            last[(int(record["step"]), int(record["rank"]))] = record
+        except (ValueError, KeyError, TypeError, OverflowError):
+            continue
+    return last

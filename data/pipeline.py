@@ -22,8 +22,8 @@ from data.errors import DatasetError, OnBadFile
 from data.index import DatasetIndex, load_or_build
 from data.loader import VolumeLoader
 from data.locality import CacheUse, locate
-from data.progress import task_progress
-from data.redact import strip_credentials
+from common.progress import task_progress
+from common.redact import strip_credentials
 from data.sampler import Key
 from data.volume import MissingPathError, Volume
 
@@ -56,7 +56,7 @@ def generate_synthetic(syn: DictConfig) -> None:
     if synthetic.is_complete(Path(syn.dir), expected):
         return
     log.info("generating the shapes dataset at %s (first use)", syn.dir)
-    with task_progress("generating shapes", syn.num_train + syn.num_val) as update:
+    with task_progress("generating shapes", syn.num_train + syn.num_val, log) as update:
         synthetic.generate(Path(syn.dir), syn.num_train, syn.num_val, syn.size, syn.seed,
                            progress=update)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -30,7 +31,9 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from data.progress import task_progress
+from common.progress import task_progress
+
+log = logging.getLogger(__name__)
 
 CLASSES = [
     "circle", "ring", "square", "triangle", "star",
@@ -240,7 +243,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     start = time.perf_counter()
     try:
-        with task_progress("generating shapes", args.num_train + args.num_val) as update:
+        with task_progress("generating shapes", args.num_train + args.num_val,
+                           log) as update:
             generate(args.out, args.num_train, args.num_val, args.size, args.seed,
                      args.workers, progress=update)
     except (FileExistsError, ValueError) as err:

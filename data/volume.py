@@ -24,7 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from common.retry import retry
 import data.slowfs  # noqa: F401  registers slow:// (a simulated remote volume)
 from data.errors import DatasetError
-from data.redact import strip_credentials
+from common.redact import one_line, strip_credentials
 
 T = TypeVar("T")
 
@@ -92,7 +92,7 @@ class Volume:
         except (ValueError, ImportError) as err:  # unknown protocol, or its package missing
             raise DatasetError(
                 f"cannot open data.root={strip_credentials(self.url)}: "
-                f"{strip_credentials(str(err).splitlines()[0])} (a URL needs its fsspec "
+                f"{one_line(err, named=False)} (a URL needs its fsspec "
                 f"package, e.g. s3fs for s3://)") from None
 
     def _target(self) -> Tuple[str, Dict[str, Any]]:

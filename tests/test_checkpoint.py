@@ -27,7 +27,7 @@ from support.checkpoints import flip_byte
 from support.tiny_job import (Job, Payload, load_into_fresh, manager, rewrite_marker, same,
                               two_checkpoints, with_planted_step)
 from support.logs import our_records
-from train.cluster.world import init_world, shutdown_world
+from support.worlds import one_rank_world  # noqa: F401  (a fixture)
 
 
 @pytest.mark.parametrize("mode", ["off", "thread"])
@@ -68,16 +68,6 @@ def mutate_everything(job: Job) -> None:
     for s in job.optimizer.state.values():
         s["exp_avg"].add_(3.0)
     job.position = job.position.advanced(steps_per_epoch=3)
-
-
-@pytest.fixture
-def one_rank_world(monkeypatch):
-    """A 1-rank gloo group: DCP's checkpoint process (`async_mode=process`) joins it."""
-    for name in ("MASTER_ADDR", "MASTER_PORT"):  # init_world sets them; restored after
-        monkeypatch.delenv(name, raising=False)
-    world = init_world(torch.device("cpu"))
-    yield world
-    shutdown_world()
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

@@ -32,7 +32,7 @@ from checkpointing.storage import Store
 from support.checkpoints import flip_byte
 from support.launch import PYTHON, run, run_train
 from support.runs import tiny_overrides
-from support.tiny_job import rewrite_marker
+from support.tiny_job import Payload, rewrite_marker
 from train.resume.stateful import ModelState, OptimizerState, RNGState
 
 STEP_2, STEP_4 = "step_000000002", "step_000000004"
@@ -135,20 +135,10 @@ def test_export_refuses_a_damaged_checkpoint(ckpt_dir, tmp_path):
     assert not out.exists()
 
 
-class Planted:
-    """A pickle that makes a directory when it is loaded."""
-
-    def __init__(self, side_effect: Path) -> None:
-        self.side_effect = side_effect
-
-    def __reduce__(self):
-        return os.mkdir, (str(self.side_effect),)
-
-
 def test_export_never_runs_a_planted_metadata_pickle(ckpt_dir, tmp_path, capsys):
     side_effect = tmp_path / "pwned"
     metadata = ckpt_dir / STEP_4 / ".metadata"
-    metadata.write_bytes(pickle.dumps(Planted(side_effect)))
+    metadata.write_bytes(pickle.dumps(Payload(side_effect)))
     # Re-sign the marker, as an attacker with write access would: checksums alone pass.
     marker = ckpt_dir / STEP_4 / "commit_rank_0.json"
     body = json.loads(marker.read_text())
@@ -162,7 +152,7 @@ def test_export_never_runs_a_planted_metadata_pickle(ckpt_dir, tmp_path, capsys)
     assert not side_effect.exists()
     # The control: the same pickle does run when loaded the way DCP does by default.
     pickle.loads(metadata.read_bytes())
-    assert side_effect.is_dir()
+    assert side_effect.exists()
 
 
 def test_export_picks_the_newest_complete_step_not_names_or_times(trained, ckpt_dir, tmp_path,

@@ -13,6 +13,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from checkpointing.manager import CheckpointOptions
+from checkpointing.options import AsyncMode, CheckpointFormat
 from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler
 from support.launch import run_train
@@ -188,6 +190,18 @@ def test_an_out_of_range_value_is_one_line_and_exit_2_before_any_work(tmp_path):
         "error: checkpoint.interval_steps=0 is out of range: it must be >= 1")
     assert "Traceback" not in result.stderr + result.stdout
     assert not list(tmp_path.rglob("datasets"))  # no data generated or read
+
+
+def test_checkpoint_options_the_manager_refuses_are_refused_at_config_validation():
+    """keep_last=1 passed the schema and was refused by the manager only after the datasets
+    were built; the async modes and formats were an enum here and a tuple there."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "checkpoint.keep_last=1 is out of range: it must be >= 2")):
+        validate(compose_config(["+experiment=resnet", "checkpoint.keep_last=1"]))
+    for mode in AsyncMode:
+        CheckpointOptions(dir="x", async_mode=mode.value)
+    for form in CheckpointFormat:
+        CheckpointOptions(dir="x", format=form.value)
 
 
 def test_every_local_directory_key_refuses_a_url():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import tracemalloc
 from pathlib import Path
 
 from data.ledger import LedgerWriter, read_ledger
@@ -61,3 +62,31 @@ def test_a_torn_tail_is_ignored_and_a_recomputed_step_counts_by_its_last_record(
     assert float.fromhex(records[(3, 0)]["loss"]) == 3.5
     # The control: the torn bytes are still in the file, on a line of their own.
     assert torn + b"\n" in path.read_bytes()
+
+
+HUGE = 64 << 20  # a line of garbage with no newline, far longer than any record
+
+
+def peak_bytes(read) -> int:
+    """The most memory Python held at once while `read()` ran."""
+    tracemalloc.start()
+    try:
+        read()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_huge_garbage_line_is_skipped_unread_and_the_records_around_it_kept(tmp_path):
+    """The ledger is hostile input when read back: its reader held a whole line in memory,
+    so a file of garbage without a newline cost its size in memory."""
+    path = tmp_path / "ledger.jsonl"
+    with LedgerWriter(path, 0) as writer:
+        writer.record(1, 0, SAMPLES, 1.0)
+    with open(path, "ab") as f:
+        f.write(b"x" * HUGE + b"\n")
+    with LedgerWriter(path, 0) as writer:
+        writer.record(2, 0, SAMPLES, 2.0)
+    found = {}
+    assert peak_bytes(lambda: found.update(read_ledger(path))) < HUGE // 4
+    assert sorted(found) == [(1, 0), (2, 0)]

@@ -21,8 +21,8 @@ import torch
 from checkpointing import commit
 from checkpointing.storage import Store
 from support.checkpoints import assert_matches_reference, checkpoint_contents, complete_now
-from support.launch import (finish, free_port, kill_node, launch, port_open, run_job, torchrun,
-                            wait_for, worker_pids)
+from support.launch import (finish, free_port, kill_node, launch, port_open, process_state,
+                            run_job, torchrun, wait_for, worker_pids)
 from support.ledger import (RestartWatch, assert_exactly_once, assert_resumed,
                             first_step_after, ledger_records, steps_done)
 from support.runs import FINAL, train_args
@@ -161,10 +161,7 @@ def test_nan_rolls_back_sharded_state_too(tiny_root, tmp_path):
 
 def alive(pid: int) -> bool:
     """Running or stopped; not gone, and not a zombie waiting for its parent."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def test_a_frozen_rank_is_caught_by_its_peers_timeout(tiny_root, tmp_path, ddp_reference):

@@ -6,12 +6,10 @@ audit ledger shows every sample of every epoch trained exactly once."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 import torch
@@ -19,43 +17,15 @@ import torch
 pytest.importorskip("torchft", reason="the ft extra: pip install -e '.[ft]'")
 
 from data.sampler import split_bounds  # noqa: E402
-from support.launch import finish, free_port, launch, port_open, torchrun, wait_for  # noqa: E402
+from support.launch import finish, free_port, launch, torchrun, trainers, wait_for  # noqa: E402
 from support.ledger import assert_exactly_once, ledger_records, surviving_history  # noqa: E402
+from support.lighthouse import lighthouse, start_lighthouse  # noqa: E402,F401  (a fixture)
 from support.runs import train_args  # noqa: E402
-from data.redact import strip_credentials  # noqa: E402
-from train.recovery.replicas import (apply_means, checksum_slots, drift_of, identity_of,  # noqa: E402
-                                     judge, read_checksums, spans, weighted_sums)
+from common.redact import strip_credentials  # noqa: E402
+from train.recovery.replicas import (apply_means, checksum_slots, drift_of, identity_of, judge,  # noqa: E402
+                      read_checksums, spans, weighted_sums)
 
 KILLED_AT = 3  # the step whose start, or whose all-reduce, kills group 1
-
-
-def start_lighthouse(port: int, log: Optional[Path] = None,
-                     join_timeout_ms: int = 2000) -> subprocess.Popen:
-    """A torchft lighthouse on 127.0.0.1:`port`, listening once this returns; a dead replica
-    is noticed after 1 s."""
-    with open(log or os.devnull, "w") as out:
-        proc = subprocess.Popen([shutil.which("torchft_lighthouse") or "torchft_lighthouse",
-                                 "--min_replicas", "1", "--quorum_tick_ms", "100",
-                                 "--join_timeout_ms", str(join_timeout_ms),
-                                 "--heartbeat_timeout_ms", "1000",
-                                 "--bind", f"127.0.0.1:{port}"],
-                                stdout=out, stderr=out, start_new_session=True)
-    wait_for(lambda: port_open(port), "the lighthouse to listen", timeout=30, proc=proc)
-    return proc
-
-
-@pytest.fixture
-def lighthouse(tmp_path: Path) -> Iterator[str]:
-    """A lighthouse for the test, which must outlive it."""
-    port = free_port()
-    proc = start_lighthouse(port, tmp_path / "lighthouse.log")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        died = proc.poll()
-        proc.kill()
-        proc.wait()
-        assert died is None, f"the lighthouse died during the test (exit {died})"
 
 
 def start_group(tiny_root: Path, run_root: Path, lighthouse: str, replica: int, fault: str,
@@ -80,16 +50,7 @@ def ended(proc: subprocess.Popen, run_root: Path, replica: int, timeout: float =
 
 def trainer_pid(run_root: Path, replica: int) -> Optional[int]:
     """The live trainer process of replica group `replica` (not its torchrun agent)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (f"run.root={run_root}".encode() in cmdline
-                and f"replica_id={replica}\0".encode() in cmdline
-                and b"torch.distributed.run" not in cmdline):
-            return int(entry.name)
-    return None
+    return next(iter(trainers(run_root, f"replica_id={replica}\0".encode())), None)
 
 
 def events_of(run_root: Path, replica: int) -> List[dict]:

@@ -171,6 +171,36 @@ def test_goodput_keeps_a_checkpointed_step_done_after_the_last_log_line(tmp_path
                               "restore": 1.0, "lost": 1.0}
 
 
+def written_totals(tmp_path) -> bytes:
+    books = Goodput(tmp_path / "goodput.json", process_start=0.0)
+    books.started(0)
+    books.step_done(1, data_wait=0.0, stall=0.0)
+    books.save()
+    return (tmp_path / "goodput.json").read_bytes()
+
+
+@pytest.mark.parametrize("damage", [
+    lambda good: good[:len(good) // 2],  # a full disk or a kill cut it short
+    lambda good: b"",
+    lambda good: b"\xff\xfe not json",
+    lambda good: b"[" * 100_000,  # deeper than the parser's stack
+    lambda good: good.replace(b'"reached": 1', b'"reached": "1"'),
+    lambda good: good.replace(b'"reached": 1', b'"reached": 1e400'),
+    lambda good: good.replace(b'"compute": ', b'"compute": -1e308, "x": '),
+    lambda good: b'{"seconds": {"compute": 1}, ' + b'"x": "' + b"a" * (1 << 20) + b'"}',
+], ids=["truncated", "empty", "garbage", "deep", "string", "inf", "negative", "huge"])
+def test_goodput_totals_an_earlier_process_left_damaged_start_again(tmp_path, caplog,
+                                                                    damage):
+    """The next process of a run starts with fresh totals and one warning; it trusted the
+    file, and a truncated one stopped the start with a JSONDecodeError traceback."""
+    (tmp_path / "goodput.json").write_bytes(damage(written_totals(tmp_path)))
+    with caplog.at_level("WARNING", logger="train.records.goodput"):
+        books = Goodput(tmp_path / "goodput.json", process_start=0.0)
+    assert books.seconds == dict.fromkeys(books.seconds, 0.0) and books.reached == 0
+    warned = [r.getMessage() for r in caplog.records if r.name == "train.records.goodput"]
+    assert len(warned) == 1 and "start again from zero" in warned[0], warned
+
+
 def test_a_bad_step_before_any_checkpoint_fails_once_then_is_skipped(tiny_root, tmp_path):
     """Nothing to roll back to: the process exits 1 with one line; the same command again
     (what torchrun --max-restarts does) starts afresh and skips that step's batch."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from support.launch import finish, launch, wait_for
+from support.launch import finish, launch, process_state, wait_for
 from support.runs import STEPS_PER_EPOCH, EPOCHS, tiny_overrides
 from support.tracking import MlflowServer
 from train.tracking import unsent
@@ -30,7 +30,7 @@ def server(tmp_path: Path):
 
 def stopped(pid: int) -> bool:
     """Whether `pid` is stopped (SIGSTOP: the `stop` fault froze it)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    return process_state(pid) == "T"
 
 
 def test_a_store_that_dies_mid_run_loses_nothing_and_the_next_launch_finishes_the_run(

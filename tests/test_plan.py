@@ -3,10 +3,12 @@ simulation of the same failures, and the command's output and refusals."""
 
 import json
 import math
+import tracemalloc
 
 import pytest
 
 from checkpointing import plan
+from common import jsonl
 from support.streams import read_through_fifo
 
 MIN, HOUR = 60.0, 3600.0
@@ -103,7 +105,8 @@ def test_from_run_reads_the_measured_stall_save_and_restart(tmp_path, capsys):
     lines = [json.dumps(e) for e in events] + ["not json", "[1]", '{"kind": "save_sta']
     (tmp_path / "events.jsonl").write_text("\n".join(lines))
     (tmp_path / "goodput.json").write_text(json.dumps(
-        {"seconds": {"compute": 9.0, "data_wait": 1.0}, "counted_steps": 100}))
+        {"seconds": {"compute": 9.0, "data_wait": 1.0, "checkpoint_stall": 0.0, "restore": 0.0,
+                     "lost": 0.0}, "counted_steps": 100}))
     assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 0
     out = capsys.readouterr().out
     assert "save 4 s, stall 0.5 s, restart 12 s" in out and "(3 saves, 1 resumes)" in out
@@ -115,7 +118,7 @@ def test_from_run_reads_the_measured_stall_save_and_restart(tmp_path, capsys):
 def test_from_run_reads_the_events_as_they_come(tmp_path):
     lines = [json.dumps(e) for e in SAVES] + ["torn {"]
     records, streamed = read_through_fifo(tmp_path / "events.jsonl", lines,
-                                          plan.read_json_lines)
+                                          lambda path: jsonl.records(path, parse_int=float))
     assert streamed and [r["kind"] for r in records] == [e["kind"] for e in SAVES]
 
 
@@ -177,6 +180,21 @@ SAVES = [{"kind": "start", "time": 100.0, "rank": 0, "pid": 7},
          {"kind": "first_step", "time": 109.0, "rank": 0, "pid": 7, "step": 1},
          {"kind": "save_staged", "rank": 0, "step": 2, "stall": 0.5},
          {"kind": "save_committed", "rank": 0, "step": 2, "seconds": 4.0}]
+
+
+def test_from_run_skips_a_huge_garbage_line_unread(tmp_path, capsys):
+    """The planner read events.jsonl a whole line at a time: a line of gigabytes without a
+    newline cost its size in memory. Now it is skipped, and the saves after it count."""
+    with open(tmp_path / "events.jsonl", "w") as f:
+        f.write("x" * (64 << 20) + "\n")
+        f.writelines(json.dumps(e) + "\n" for e in SAVES)
+    tracemalloc.start()
+    try:
+        assert plan.main(["--from-run", str(tmp_path), "--mtbf-hours", "1"]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20 and "(1 saves" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("hostile", [

@@ -8,9 +8,13 @@ import random
 import re
 import string
 
+import fsspec
 import pytest
 
-from data.redact import strip_credentials
+from checkpointing.storage import Store, StoreUnavailable
+from common.redact import one_line, strip_credentials
+from data.errors import DatasetError
+from data.volume import Volume
 from train.config import default_run_name
 
 
@@ -70,3 +74,36 @@ def test_two_abfs_containers_are_two_run_names() -> None:
     names = {default_run_name("resnet", [f"data.root=abfs://{c}@acct.dfs.core.windows.net/d"],
                               []) for c in ("train-a", "train-b")}
     assert len(names) == 2
+
+
+@pytest.mark.parametrize("err, expected", [
+    (ValueError(), "ValueError"),  # an empty message: no IndexError, the type alone
+    (RuntimeError("  \n  "), "RuntimeError"),
+    (OSError("first\nsecond\nthird"), "OSError: first"),
+    (ValueError("cannot reach s3://AKIA:s3cr3t@bucket/x"),
+     "ValueError: cannot reach s3://bucket/x"),
+])
+def test_one_line_is_the_type_and_first_line_without_credentials(err, expected) -> None:
+    assert one_line(err) == expected
+
+
+def test_one_line_is_bounded() -> None:
+    text = one_line(ValueError("x" * 10_000), limit=100)
+    assert len(text) == 103 and text.endswith("...")
+
+
+@pytest.mark.parametrize("open_it, refusal", [
+    (lambda: Store("memory://bucket/ckpt"), StoreUnavailable),
+    (lambda: Volume("memory://bucket/data"), DatasetError),
+])
+def test_an_error_with_an_empty_message_is_one_line_in_the_callers(monkeypatch, open_it,
+                                                                   refusal) -> None:
+    """fsspec refusing a URL with a bare `ValueError()`: the caller's one-line refusal names
+    it (its inline `str(err).splitlines()[0]` raised IndexError instead)."""
+    def refuse(*args, **kwargs):
+        raise ValueError()
+    monkeypatch.setattr(fsspec.core, "url_to_fs", refuse)
+    with pytest.raises(refusal) as caught:
+        open_it()
+    message = str(caught.value)
+    assert "ValueError" in message and "\n" not in message, message

@@ -184,3 +184,16 @@ def test_a_sweep_sharing_one_checkpoint_dir_stops_at_the_second_job(tiny_root, t
     jobs = [p.name for p in tmp_path.iterdir() if p.name.startswith("default-")]
     assert len(jobs) == 2  # a run directory each, named without the paths typed
     assert not any("checkpoint" in job or tmp_path.name in job for job in jobs)
+
+
+def test_where_a_run_goes_is_never_what_it_trains_whatever_exclude_keys_says():
+    """The run's name, the ft groups' identity check and the checkpoint's record of the
+    config leave out the same keys: with run.exclude_keys emptied, the training config held
+    the node-local cache directory and the tracking store, so two replica groups on
+    different nodes were refused as training different things."""
+    cfg = compose_config(["+experiment=resnet", "run.exclude_keys=[]",
+                          "logger.tracking_uri=http://u:s3cret@127.0.0.1:9"])
+    kept = training_config(cfg)
+    assert "model.name" in kept and "trainer.max_steps" in kept  # excludes are emptied
+    assert not [k for k in kept if k.split(".")[0] in ("run", "checkpoint", "audit")
+                or k.startswith(("data.cache_dir", "logger.tracking_uri"))], sorted(kept)

@@ -13,7 +13,7 @@ from typing import Iterator, List
 
 import pytest
 
-from data.redact import CredentialFilter, strip_credentials
+from common.redact import CredentialFilter, strip_credentials
 from support.launch import PYTHON, launch, run_train
 from support.runs import tiny_overrides
 

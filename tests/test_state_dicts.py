@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
 from torch.nn.parallel import DistributedDataParallel
 
 import train.resume.stateful as state_module
-from train.cluster.world import init_world, shutdown_world
+from support.worlds import one_rank_world  # noqa: F401  (a fixture)
 from train.resume.stateful import ModelState, OptimizerState, _CheckedShortcut, _same
 
 
@@ -38,13 +38,6 @@ class Calls:
                 self.count += 1
                 return _original(*args, **kwargs)
             monkeypatch.setattr(state_module, name, counted)
-
-
-@pytest.fixture
-def one_rank_world():
-    world = init_world(torch.device("cpu"))
-    yield world
-    shutdown_world()
 
 
 @pytest.mark.parametrize("wrap", ["plain", "ddp"])

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from common.progress import task_progress
 from data import synthetic
 
 
@@ -67,3 +69,15 @@ def test_command_line(tmp_path, capsys):
     (tmp_path / "busy" / "x").write_text("x")
     assert synthetic.main(["--out", str(tmp_path / "busy")]) == 2
     assert "busy" in capsys.readouterr().err
+
+
+def test_progress_off_a_terminal_logs_its_first_update_every_tenth_and_the_end(caplog):
+    """The one tty/non-tty rule (common.progress) the data generation and the training
+    bar share: off a terminal nothing animates, a few plain lines are logged."""
+    log = logging.getLogger("data.synthetic")
+    with caplog.at_level("INFO", logger="data.synthetic"):
+        with task_progress("generating shapes", 95, log) as update:
+            for done in range(96):
+                update(done, 95)
+    done = [r.getMessage().split()[2] for r in caplog.records if r.name == "data.synthetic"]
+    assert done == [f"{n}/95" for n in (0, 9, 18, 27, 36, 45, 54, 63, 72, 81, 90, 95)]

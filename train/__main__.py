@@ -18,7 +18,7 @@ from typing import Dict, NoReturn, Optional  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from data.redact import strip_credentials  # noqa: E402
+from common.redact import one_line  # noqa: E402
 from train.config import register_configs, validate  # noqa: E402
 from train.errors import EXIT_CONFIG, ConfigError  # noqa: E402
 from train.cluster.rank_dirs import refuse_multirun_under_torchrun  # noqa: E402
@@ -43,8 +43,7 @@ def _unexpected(err: Exception) -> NoReturn:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
-    what = strip_credentials(str(err).strip().splitlines()[0]) if str(err).strip() else ""
-    print(f"error: {type(err).__name__}{': ' if what else ''}{what} (unexpected: the "
+    print(f"error: {one_line(err)} (unexpected: the "
           f"traceback is in the run's log file)", file=sys.stderr)
     raise SystemExit(1)  # not EXIT_CONFIG: it may be transient, a restart may help
 

@@ -20,8 +20,9 @@ from checkpointing.export import with_model_card
 from checkpointing.manager import NO_SPACE, CheckpointError
 from common.files import atomic_file
 from common.distributed import broadcast_object
+from common.run_files import GOODPUT_FILE
 from data.errors import DatasetError
-from data.redact import strip_credentials
+from common.redact import strip_credentials
 from data.loader import eval_batches
 from data.dataset import IMAGENET_MEAN, IMAGENET_STD
 from data.pipeline import build_datasets, build_loader
@@ -244,7 +245,7 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
         tracker.log_params(parameter_counts(job.learner.model))
         tracker.log_datasets(job.splits)
-        goodput = Goodput(run_dir / "goodput.json" if world.rank == 0 else None, start)
+        goodput = Goodput(run_dir / GOODPUT_FILE if world.rank == 0 else None, start)
         watchdog = Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0)
         metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,
                       job.health, watchdog, preemption, job.checkpointer, goodput, tracker,
@@ -258,7 +259,7 @@ def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tr
         events.record("end", step=job.plan.total_steps)
         if world.rank == 0:
             write_run_report(run_dir, tracker)
-            tracker.log_files([run_dir / "goodput.json"])
+            tracker.log_files([run_dir / GOODPUT_FILE])
         weights = (full_state_dict(job.learner.model) if wants_final_weights(cfg)
                    else None)  # a collective: every rank
         if weights is not None and world.rank == 0:

@@ -22,11 +22,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from checkpointing.options import MIN_KEEP_LAST, AsyncMode, CheckpointFormat
 from checkpointing.plan import LARGEST as PLAN_LARGEST
 from data.cache import default_cache_dir
 from data.errors import OnBadFile
 from data.locality import CacheUse
-from data.redact import strip_credentials
+from common.redact import strip_credentials
 from train.errors import ConfigError
 from train.cluster.rank_dirs import register_resolvers as register_launch_resolvers
 from train.cluster.preemption import DEFAULT_STOP_SIGNALS
@@ -55,15 +56,6 @@ class SchedulerName(str, Enum):
     constant = "constant"
 
 
-class AsyncMode(str, Enum):
-    off = "off"  # synchronous dcp.save
-    thread = "thread"  # dcp.async_save in a background thread
-    process = "process"  # dcp.async_save in a background process
-
-
-class CheckpointFormat(str, Enum):
-    dcp = "dcp"  # DCP's standard format: stock torch.distributed.checkpoint reads it
-    raw = "raw"  # tensors as bare bytes: less CPU per save, but only this trainer reads it
 
 
 class ResumeMode(str, Enum):
@@ -454,7 +446,7 @@ class CheckpointConfig:
     # From a failure to training again, until a resume measures it: auto_interval's log
     # predicts goodput with it (the interval itself does not depend on it).
     restart_seconds: float = bounded(60.0, gt=0, le=PLAN_LARGEST)
-    keep_last: int = bounded(3, ge=1)
+    keep_last: int = bounded(3, ge=MIN_KEEP_LAST)
     async_mode: AsyncMode = AsyncMode.thread
     # How tensors are stored (checkpointing/writer.py); checkpoints of either format load.
     format: CheckpointFormat = CheckpointFormat.dcp
@@ -530,7 +522,7 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
-def _matches(key: str, prefixes: List[str]) -> bool:
+def _matches(key: str, prefixes: Sequence[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
@@ -539,6 +531,15 @@ def _matches(key: str, prefixes: List[str]) -> bool:
 LOCATION_KEYS = ["hydra", "run", "checkpoint.dir", "checkpoint.staging_dir",
                  "checkpoint.storage_options", "data.cache_dir", "data.storage_options",
                  "audit.ledger", "logger.tracking_uri"]
+# Keys that never change what is trained, whatever `run.exclude_keys` says: where a run's
+# files go, and how it checkpoints and audits itself.
+NEVER_TRAINED = [*LOCATION_KEYS, "checkpoint", "audit"]
+
+
+def changes_training(key: str, excludes: Sequence[str]) -> bool:
+    """Whether the (dotted) config key `key` changes what is trained, given the keys a
+    run's identity leaves out (`run.exclude_keys`)."""
+    return not _matches(key, [*excludes, *NEVER_TRAINED])
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # a name stays one portable, shell-safe word
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from common.distributed import any_rank
 from data.dataset import normalize
 from data.ledger import LedgerWriter, open_ledger
 from data.loader import Batch
@@ -357,9 +358,7 @@ def in_lockstep(model: torch.nn.Module, batches: Iterable[Batch],
     remaining = iter(batches)
     while True:
         batch = next(remaining, None)
-        more = torch.tensor(batch is not None, dtype=torch.int32, device=device)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX)
-        if not more:
+        if not any_rank(batch is not None, device):
             return
         yield batch
 

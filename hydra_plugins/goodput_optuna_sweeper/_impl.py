@@ -36,7 +36,7 @@ from optuna.distributions import (BaseDistribution, CategoricalDistribution, Flo
                                   IntDistribution)
 from optuna.trial import Trial, TrialState
 
-from data.redact import strip_credentials
+from common.redact import one_line, strip_credentials
 
 log = logging.getLogger(__name__)
 
@@ -208,12 +208,7 @@ def storage_errors(storage: Any) -> Iterator[None]:
     except SweepError:
         raise
     except Exception as err:  # a database that is not one, a journal that is not JSON, ...
-        raise SweepError(f"{where}: {strip_credentials(one_line(err))}") from err
-
-
-def one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+        raise SweepError(f"{where}: {one_line(err, named=False)}") from err
 
 
 def directions_of(direction: Any) -> List[str]:
@@ -275,7 +270,8 @@ class OptunaSweeperImpl:
                 extend = get_method(self.custom_search_space)
             except Exception as err:  # Hydra's lookup: an import error, a missing name
                 raise SweepError(f"hydra.sweeper.custom_search_space="
-                                 f"{self.custom_search_space}: {one_line(err)}") from err
+                                 f"{self.custom_search_space}: "
+                                 f"{one_line(err, named=False)}") from err
         return directions_of(self.direction), extend
 
     def sweep(self, arguments: List[str]) -> List[Sequence[JobReturn]]:
@@ -297,7 +293,7 @@ class OptunaSweeperImpl:
         except SweepError:
             raise
         except Exception as err:  # the sampler's own checks of its options
-            raise SweepError(f"hydra.sweeper.sampler: {one_line(err)}") from err
+            raise SweepError(f"hydra.sweeper.sampler: {one_line(err, named=False)}") from err
         log.info("Optuna study %s (%s, %d trials so far), %s sampler: %d trials over %s",
                  study.study_name, strip_credentials(str(self.storage or "in memory")),
                  len(study.trials),

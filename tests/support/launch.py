@@ -121,10 +121,19 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = 120,
         time.sleep(0.05)
 
 
-def worker_pids(run_root: Path) -> Dict[int, int]:
-    """{rank: pid} of the live trainer processes of the run under `run_root`, found by their
-    command line and the RANK torchrun gave them (their data-loader workers, forked children
-    with the same command line, are left out)."""
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of process `pid` in /proc (R, S, T stopped, Z zombie, ...); None
+    when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def trainers(run_root: Path, also: bytes = b"") -> Dict[int, Dict[bytes, bytes]]:
+    """{pid: environment} of the live trainer processes of the run under `run_root` (their
+    command line holding `also` too), found by their command line: torchrun's agents and the
+    trainers' data-loader workers (forked children with the same command line) left out."""
     candidates: Dict[int, tuple] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -136,10 +145,18 @@ def worker_pids(run_root: Path) -> Dict[int, int]:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, ValueError):
             continue
-        if (f"run.root={run_root}".encode() in cmdline and b"torch.distributed.run" not in
-                cmdline and b"RANK" in environ and stat[0] != "Z"):
-            candidates[int(entry.name)] = (int(environ[b"RANK"]), int(stat[1]))
-    return {rank: pid for pid, (rank, parent) in candidates.items() if parent not in candidates}
+        if (f"run.root={run_root}".encode() in cmdline and also in cmdline
+                and b"torch.distributed.run" not in cmdline and stat[0] != "Z"):
+            candidates[int(entry.name)] = (environ, int(stat[1]))
+    return {pid: environ for pid, (environ, parent) in candidates.items()
+            if parent not in candidates}
+
+
+def worker_pids(run_root: Path) -> Dict[int, int]:
+    """{rank: pid} of the live trainer processes of the run under `run_root`, by the RANK
+    torchrun gave them."""
+    return {int(environ[b"RANK"]): pid for pid, environ in trainers(run_root).items()
+            if b"RANK" in environ}
 
 
 def descendants(pid: int) -> List[int]:

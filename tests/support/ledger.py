@@ -3,7 +3,6 @@ and the proof that a restart resumed from a checkpoint instead of starting over.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import Counter
@@ -12,22 +11,15 @@ from typing import Dict, List, Mapping, Set
 
 from checkpointing import commit
 from checkpointing.storage import Store
+from common.jsonl import records
+from data.ledger import MAX_LEDGER_LINE
 from support.launch import worker_pids
 from support.runs import EPOCHS, NUM_TRAIN, STEPS_PER_EPOCH
 
 
 def ledger_records(ledger: Path) -> List[dict]:
     """Every complete line, in file order."""
-    if not ledger.exists():
-        return []
-    records = []
-    for line in ledger.read_bytes().splitlines(keepends=True):
-        if line.endswith(b"\n") and line.strip():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
+    return list(records(ledger, MAX_LEDGER_LINE)) if ledger.exists() else []
 
 
 def steps_done(ledger: Path, since: float = 0.0) -> int:

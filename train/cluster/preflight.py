@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.redact import one_line
 from train.cluster.world import World, launched_by_torchrun
 from train.errors import PreflightError, TrainingError
 from train.faults import NO_FAULTS, FaultHook
@@ -91,7 +92,7 @@ def preflight(world: World, device: torch.device, timeout_s: float,
             raise PreflightError(
                 f"pre-flight: the {name} group's collectives on rank {world.rank} ({host}) "
                 f"failed or did not answer within {timeout_s:g}s (strategy.timeout_seconds): "
-                f"{str(err).splitlines()[0]}") from None
+                f"{one_line(err, named=False)}") from None
         verdicts[name] = [bool(v.item()) for v in everyone]
     if verdicts["training"] != verdicts["checkpoint"]:
         raise PreflightError(f"pre-flight: rank {world.rank} ({host}) received different data "

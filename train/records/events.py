@@ -1,8 +1,8 @@
 """The event timeline: what happened to a run, when, in which process.
 
 Every process of a run (every rank, every restart) appends to `<run dir>/events.jsonl`, one
-JSON object a line, each line one `os.write` on an `O_APPEND` descriptor (as the audit
-ledger does: lines of concurrent ranks never interleave):
+JSON object a line (common/jsonl.py, as the audit ledger does: lines of concurrent ranks
+never interleave):
 
     {"kind": "save_staged", "time": 1764489600.123, "rank": 0, "pid": 4711,
      "attempt": "3f2a9c1b", "restart": 0, "step": 40, "stall": 0.021}
@@ -30,16 +30,15 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from common.files import ends_torn
-from data.redact import strip_credentials
+from common.jsonl import Appender, lines
+from common.run_files import EVENTS_FILE
+from common.redact import strip_credentials
 from train.cluster.preemption import Preempted
 
 log = logging.getLogger(__name__)
 
-EVENTS_FILE = "events.jsonl"
-MAX_LINE_BYTES = 1 << 16  # ours are ~200 bytes; a longer line is garbage, skipped unread
 MAX_TEXT = 300  # characters of an error kept in an event
 MAX_EVENTS = 1_000_000  # read_events stops there (its list: about 1 GB of events)
 
@@ -74,33 +73,25 @@ class Timeline:
         self.path, self.rank = path, rank
         self.common = {"rank": rank, "pid": os.getpid(), "attempt": attempt,
                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if ends_torn(path):  # a line cut short by a full disk: ours starts a line of its own
-            self._append(b"\n")
+        self._file: Optional[Appender] = Appender(path)
 
     def record(self, kind: str, at: Optional[float] = None, **fields: Any) -> None:
         """One line: `kind` with `fields`, at `at` (wall clock; default now)."""
         entry = {"kind": kind, "time": round(time.time() if at is None else at, 3),
                  **self.common, **fields}
-        self._append((json.dumps(entry, separators=(",", ":")) + "\n").encode())
-
-    def _append(self, data: bytes) -> None:
-        if self._fd is None:
+        if self._file is None:
             return
         try:
-            written = os.write(self._fd, data)
-            if written != len(data):  # a regular file takes an append whole, or it is full
-                raise OSError(f"short write ({written} of {len(data)} bytes)")
+            self._file.append(entry)
         except OSError as err:  # a record of the run, not its state: training goes on
             log.warning("cannot append to %s (%s): the run's event timeline stops here; "
                         "training goes on", self.path, err.strerror or err)
             self.close()
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 _timeline: Optional[Timeline] = None
@@ -240,23 +231,6 @@ def parse_event(line: bytes) -> Optional[Event]:
                  entry["restart"], fields)
 
 
-def _lines(path: Path) -> Iterator[Tuple[bytes, bool]]:
-    """(line, whole) for each line of `path`, never holding more than MAX_LINE_BYTES of
-    one: a longer line is given as (b"", False), and so is a torn last line."""
-    with open(path, "rb") as f:
-        while True:
-            line = f.readline(MAX_LINE_BYTES + 1)
-            if not line:
-                return
-            if line.endswith(b"\n"):
-                yield line, True
-                continue
-            # too long (skip to its end) or the torn tail of the file
-            while line and not line.endswith(b"\n"):
-                line = f.readline(MAX_LINE_BYTES + 1)
-            yield b"", False
-
-
 class EventStream:
     """The events of `path` in file order, one at a time, never holding more than one line
     (the report reads a month of events this way); once iterated, `skipped` counts the
@@ -267,7 +241,7 @@ class EventStream:
         self.path, self.skipped, self.lines = path, 0, 0
 
     def __iter__(self) -> Iterator[Event]:
-        for line, whole in _lines(self.path):
+        for line, whole in lines(self.path):
             self.lines += 1
             if whole and not line.strip():
                 continue

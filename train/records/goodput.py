@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from common.files import atomic_write
-
-PARTS = ("compute", "data_wait", "checkpoint_stall", "restore", "lost")
+from common.run_files import PARTS, read_goodput
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +37,22 @@ class Goodput:
         self.counted_steps = 0  # steps whose time is in compute and data_wait
         self.mark = process_start  # where the time accounted so far ends
         if path is not None and path.exists():
-            saved = json.loads(path.read_text())
-            self.seconds.update({k: float(v) for k, v in saved["seconds"].items()})
-            self.reached, self.counted_steps = int(saved["reached"]), int(saved["counted_steps"])
-            if not saved["ended"]:  # the last process died: the time since its last word
-                self.seconds["lost"] += max(self.started_at - float(saved["saved_at"]), 0.0)
+            self._continue(path)
+
+    def _continue(self, path: Path) -> None:
+        """Continue the totals an earlier process of the run left; a file cut short (a full
+        disk, a kill mid-write on a store without atomic rename) or edited costs the report
+        its history, never the start."""
+        saved, problem = read_goodput(path)
+        if saved is None:
+            log.warning("%s (%s): the goodput totals start again from zero; training goes on",
+                        problem, path)
+            return
+        self.seconds.update(saved.seconds)
+        self.reached, self.counted_steps = saved.reached, saved.counted_steps
+        # The last process died: the time since its last word is lost.
+        if not saved.ended and saved.saved_at is not None:
+            self.seconds["lost"] += max(self.started_at - saved.saved_at, 0.0)
 
     def started(self, step: int) -> None:
         """The loop starts at `step`: what came before was restore; steps beyond it that an

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import logging
 import math
 import sys
@@ -38,14 +37,12 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from common.files import atomic_file
-from train.records.events import EVENTS_FILE, Event, EventStream
-from train.records.goodput import PARTS
+from common.run_files import (EVENTS_FILE, GOODPUT_FILE, PARTS, PICTURE, GoodputTotals,
+                              read_goodput)
+from train.records.events import Event, EventStream
 
 log = logging.getLogger(__name__)
 
-GOODPUT_FILE = "goodput.json"
-PICTURE = "goodput.png"
-MAX_BOOKS_BYTES = 1 << 16
 COLORS = {"compute": "#2e7d32", "data_wait": "#1f77b4", "checkpoint_stall": "#f2a900",
           "restore": "#7b3fa0", "lost": "#c62828"}
 MAX_POINTS = 2_000  # points of the steps-done curves drawn, all attempts together
@@ -222,7 +219,7 @@ class Attempt:
 @dataclass
 class Run:
     run_dir: Path
-    books: Optional[Dict]  # goodput.json, checked; None when missing or unreadable
+    books: Optional[GoodputTotals]  # goodput.json, checked; None when missing or unreadable
     books_problem: str  # why there are no books ("" when there are)
     attempts: List[Attempt]
     skipped: int = 0  # lines of events.jsonl that are not events
@@ -231,8 +228,8 @@ class Run:
     def goodput(self) -> Optional[float]:
         if not self.books:
             return None
-        total = sum(self.books["seconds"].values())
-        return self.books["seconds"]["compute"] / total if total else 0.0
+        total = sum(self.books.seconds.values())
+        return self.books.seconds["compute"] / total if total else 0.0
 
 
 def load_run(run_dir: Path) -> Run:
@@ -250,20 +247,11 @@ def load_run(run_dir: Path) -> Run:
     return Run(run_dir, books, problem, attempts_of(stream), stream.skipped)
 
 
-def read_books(path: Path) -> Tuple[Optional[Dict], str]:
+def read_books(path: Path) -> Tuple[Optional[GoodputTotals], str]:
     """goodput.json's totals, checked, or None and why not."""
     if not path.is_file():
         return None, f"no {GOODPUT_FILE} (rank 0 never reached a log line)"
-    try:
-        with open(path, "rb") as f:
-            books = json.loads(f.read(MAX_BOOKS_BYTES + 1)[:MAX_BOOKS_BYTES])
-        seconds = {p: float(books["seconds"][p]) for p in PARTS}
-        ended = bool(books.get("ended", False))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return None, f"{GOODPUT_FILE} cannot be read"
-    if not (all(s >= 0 for s in seconds.values()) and math.isfinite(sum(seconds.values()))):
-        return None, f"{GOODPUT_FILE} holds impossible times"
-    return {"seconds": seconds, "ended": ended}, ""
+    return read_goodput(path)
 
 
 def attempts_of(events: Iterable[Event]) -> List[Attempt]:
@@ -353,9 +341,9 @@ def saves_of(run: Run) -> List[Landed]:
 def table(run: Run) -> str:
     lines = [f"run {run.run_dir}"]
     if run.books:
-        seconds = run.books["seconds"]
+        seconds = run.books.seconds
         total = sum(seconds.values())
-        state = "" if run.books["ended"] else " (not ended: totals stop at the last log line)"
+        state = "" if run.books.ended else " (not ended: totals stop at the last log line)"
         lines.append(f"goodput {run.goodput:.1%} of {seconds_text(total)} accounted{state}")
         for part in PARTS:
             share = seconds[part] / total if total else 0.0
@@ -438,7 +426,7 @@ def draw_bar(ax, run: Run) -> None:
                 transform=ax.transAxes)
         ax.set_xticks([])
         return
-    seconds = run.books["seconds"]
+    seconds = run.books.seconds
     total = sum(seconds.values()) or 1.0
     left = 0.0
     for part in PARTS:

@@ -25,7 +25,9 @@ from typing import Any, Callable, Deque, Dict, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from common.distributed import any_rank
 from common.files import atomic_write
+from common.run_files import HEALTH_FILE
 from train.config import HealthConfig
 from train.errors import TrainingError
 
@@ -57,7 +59,7 @@ class HealthMonitor:
     def __init__(self, cfg: HealthConfig, state: HealthState, rank: int,
                  run_dir: Path, replicated: bool) -> None:
         self.cfg, self.state, self.rank = cfg, state, rank
-        self.skips_file = run_dir / "health.json"
+        self.skips_file = run_dir / HEALTH_FILE
         self.replicated = replicated  # DDP: every rank holds the same parameters
         self.rollbacks = 0
 
@@ -78,7 +80,7 @@ class HealthMonitor:
         """
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not self.cfg.enabled:
-            return None, agree_on_flag(stop_requested, loss.device, world)
+            return None, any_rank(stop_requested, loss.device)
         loss_value, norm_value = float(loss), float(grad_norm)
         summed = torch.tensor([loss_value if math.isfinite(loss_value) else 0.0,
                                not math.isfinite(loss_value), not math.isfinite(norm_value),
@@ -138,15 +140,6 @@ class HealthMonitor:
 
     def skipped(self, step: int) -> bool:
         return step in self.state.skipped
-
-
-def agree_on_flag(flag: bool, device: torch.device, world: int) -> bool:
-    """True on every rank when `flag` is set on any rank."""
-    if world == 1:
-        return flag
-    vote = torch.tensor([flag], dtype=torch.int32, device=device)
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-    return bool(vote.item())
 
 
 def parameter_checksum(model: torch.nn.Module) -> torch.Tensor:

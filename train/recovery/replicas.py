@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from data.redact import strip_credentials
+from common.redact import one_line, strip_credentials
 from train.records import events
 from train.config import FaultToleranceConfig
 from train.cluster.world import World
@@ -369,7 +369,8 @@ class FaultTolerantReplicas(Replicas):
         except Exception as err:  # the lighthouse is gone, or no quorum within the timeout
             raise TrainingError(
                 f"no quorum from the torchft lighthouse at {self.cfg.lighthouse} within "
-                f"{self.cfg.quorum_timeout_seconds:g}s ({str(err).splitlines()[0][:200]}): "
+                f"{self.cfg.quorum_timeout_seconds:g}s "
+                f"({one_line(err, limit=200, named=False)}): "
                 f"restart the lighthouse; this group resumes from its checkpoint when run "
                 f"again") from None
 
@@ -406,8 +407,7 @@ class FaultTolerantReplicas(Replicas):
                 verdict = self._judge_members(store_address, rank, world_size)
             except Exception as err:
                 if own is not None:
-                    own.set(key, json.dumps({"error": str(err).splitlines()[0][:200]
-                                             if str(err) else type(err).__name__}))
+                    own.set(key, json.dumps({"error": one_line(err, limit=200, named=False)}))
                 raise
             if own is not None:
                 own.set(key, json.dumps({"refused": verdict.refused,
@@ -602,7 +602,8 @@ def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
     except Exception as err:  # torchft raises plain RuntimeErrors from its Rust client
         raise TrainingError(
             f"cannot join the torchft lighthouse at {cfg.lighthouse} "
-            f"({str(err).splitlines()[0][:200]}): start it (torchft_lighthouse --min_replicas 1 "
+            f"({one_line(err, limit=200, named=False)}): start it (torchft_lighthouse "
+            f"--min_replicas 1 "
             f"--bind HOST:PORT) or point strategy.fault_tolerance.lighthouse at it") from None
 
 

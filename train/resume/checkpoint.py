@@ -17,9 +17,9 @@ from checkpointing import plan
 from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
-from data.redact import strip_credentials
+from common.redact import strip_credentials
 from train.records import events
-from train.config import ResumeMode
+from train.config import ResumeMode, changes_training
 from train.cluster.world import World
 from train.errors import ConfigError
 from train.faults import NO_FAULTS, FaultHook
@@ -37,9 +37,7 @@ IDENTITY_KEYS = ("model.name", "data.root", "optim.name")
 def training_config(cfg: DictConfig) -> Dict[str, str]:
     """The resolved config minus keys that do not change what is trained."""
     flat = flatten(OmegaConf.to_container(cfg, resolve=True))
-    ignored = list(cfg.run.exclude_keys) + ["checkpoint", "audit", "data.storage_options"]
-    return {k: v for k, v in flat.items()
-            if not any(k == p or k.startswith(p + ".") for p in ignored)}
+    return {k: v for k, v in flat.items() if changes_training(k, cfg.run.exclude_keys)}
 
 
 def build_manager(cfg: DictConfig, world: World,

@@ -4,10 +4,9 @@ line every ~5% of the run otherwise."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Dict, Optional
 
-from common.progress import is_interactive, progress_bar
+from common.progress import Progress
 from train.tracking.tracker import describe
 
 log = logging.getLogger(__name__)
@@ -15,28 +14,20 @@ log = logging.getLogger(__name__)
 
 class ProgressBar:
     def __init__(self, total_steps: int, start_step: int = 0) -> None:
-        self.total, self.start = total_steps, time.perf_counter()
-        self.next_report = start_step
-        self.bar = None
-        if is_interactive():
-            self.bar = progress_bar("train", "{task.fields[stats]}")
-            self.task = self.bar.add_task("train", total=total_steps, completed=start_step,
-                                          stats="")
+        self.progress = Progress("train", total_steps, self._report, done=start_step,
+                                 every=0.05, texts=["{task.fields[stats]}"])
 
     def __enter__(self) -> "ProgressBar":
-        if self.bar:
-            self.bar.start()
+        self.progress.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.bar:
-            self.bar.stop()
+        self.progress.__exit__(*exc)
 
     def update(self, step: int, metrics: Optional[Dict[str, float]] = None) -> None:
-        stats = describe(metrics or {}, ["train/loss", "train/images_per_second"])
-        if self.bar:
-            self.bar.update(self.task, completed=step, stats=stats)
-        elif step >= self.next_report or step == self.total:
-            elapsed = time.perf_counter() - self.start
-            log.info("step %d/%d %s (%.0fs)", step, self.total, stats, elapsed)
-            self.next_report = step + max(1, self.total // 20)
+        self.progress.update(step, stats=describe(metrics or {}, ["train/loss",
+                                                                  "train/images_per_second"]))
+
+    @staticmethod
+    def _report(step: int, total: int, stats: str, seconds: float) -> None:
+        log.info("step %d/%d %s (%.0fs)", step, total, stats, seconds)

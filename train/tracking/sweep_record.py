@@ -20,7 +20,6 @@ own process, which has no use for torch.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -34,13 +33,15 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from common.files import atomic_file
-from data.redact import strip_credentials
+from common.jsonl import append_line, records
+from common.redact import one_line, strip_credentials
 from train.config import SWEPT_KEYS_ENV
-from train.tracking.sweep_run import PARENT_ENV, one_line
+from train.tracking.sweep_run import PARENT_ENV
 
 log = logging.getLogger(__name__)
 RECORD_ENV = "GOODPUT_SWEEP_RECORD"  # the record's directory, for the jobs' processes
 SWEEPS_DIR = "sweeps"  # under run.root
+JOBS_FILE = "jobs.jsonl"
 
 
 class SweepRecord(Callback):
@@ -87,7 +88,7 @@ class SweepRecord(Callback):
             return
         try:
             sweep = yaml.safe_load((Path(record) / "sweep.yaml").read_text())
-            jobs = read_jobs(Path(record) / "jobs.jsonl")
+            jobs = read_jobs(Path(record) / JOBS_FILE)
             parents = [job.pop("mlflow_parent_run_id", None) for job in jobs]
             sweep.update(ended=stamp(time.time()), mlflow_parent_run_id=next(
                 (p for p in parents if p), None), jobs=jobs)
@@ -152,11 +153,7 @@ def append_job(config: DictConfig, fields: Dict[str, Any]) -> None:
             "mlflow_parent_run_id": os.environ.get(PARENT_ENV), "time": stamp(time.time()),
             **fields}
     try:
-        fd = os.open(Path(record) / "jobs.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(line) + "\n").encode())
-        finally:
-            os.close(fd)
+        append_line(Path(record) / JOBS_FILE, line)
     except OSError as err:
         log.warning("the sweep's record %s could not take job %s (%s)", record, line["job"],
                     one_line(err))
@@ -168,13 +165,8 @@ def read_jobs(path: Path) -> List[Dict[str, Any]]:
     process killed mid-write, or one that is no job's line (a hand edit, lines of jobs on NFS
     that interleaved), is skipped: the others still make the record."""
     jobs: Dict[int, Dict[str, Any]] = {}
-    for text in path.read_text().splitlines() if path.exists() else []:
-        try:
-            line = json.loads(text)
-        except (ValueError, RecursionError):
-            continue
-        if not (isinstance(line, dict) and type(line.get("job")) is int
-                and isinstance(line.get("time"), str)):
+    for line in records(path) if path.exists() else []:
+        if not (type(line.get("job")) is int and isinstance(line.get("time"), str)):
             continue
         number = line["job"]
         job = jobs.setdefault(number, {"job": number, "status": "RUNNING", "objective": None})

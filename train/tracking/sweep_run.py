@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from data.redact import strip_credentials
+from common.redact import one_line, strip_credentials
 
 log = logging.getLogger(__name__)
 PARENT_ENV = "GOODPUT_SWEEP_PARENT_RUN_ID"
@@ -217,10 +217,3 @@ def sqlite_creation_lock(uri: str, timeout_s: float = 300.0) -> Iterator[None]:
 def value_of(choice: Any) -> str:
     """An Enum's value (a structured config's choice), or the plain value, as a string."""
     return str(getattr(choice, "value", choice))
-
-
-def one_line(err: BaseException) -> str:
-    """The first line of an error (MLflow's and SQLAlchemy's run to dozens), credentials out."""
-    lines = str(err).strip().splitlines()
-    text = strip_credentials(f"{type(err).__name__}: {lines[0] if lines else ''}")
-    return text if len(text) <= 240 else text[:240] + "..."

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.distributed import broadcast_object
-from data.redact import hide_storage_secrets, strip_credentials
+from common.redact import hide_storage_secrets, one_line, strip_credentials
 from train.config import LoggerConfig, LoggerName
 from train.cluster.world import World
 from train.errors import ConfigError
@@ -25,8 +25,7 @@ from train.tracking import unsent
 from train.cluster.preemption import Preempted
 from train.tracking.sweep_run import (CHECK_HTTP_SETTINGS, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT,
                                       PARENT_ENV, SweepJob, current_sweep_job, environment,
-                                      one_line, parent_problem, record_best, sqlite_creation_lock,
-                                      value_of)
+                                      parent_problem, record_best, sqlite_creation_lock, value_of)
 
 log = logging.getLogger(__name__)
 MAX_PARAMS_PER_CALL = 100  # MLflow's batch limit for params

@@ -42,9 +42,10 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
+from common import jsonl
 from common.files import atomic_file
-from data.redact import strip_credentials
-from train.tracking.sweep_run import CHECK_HTTP_SETTINGS, one_line
+from common.redact import one_line, strip_credentials
+from train.tracking.sweep_run import CHECK_HTTP_SETTINGS
 
 log = logging.getLogger(__name__)
 FILE = "mlflow_unsent.jsonl"
@@ -120,47 +121,20 @@ def append(path: Path, lines: List[Dict[str, Any]]) -> None:
 def read(path: Path) -> Unsent:
     """The file's content, checked item by item; a missing file is nothing unsent."""
     unsent = Unsent()
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        return unsent
     runs: Set[str] = set()
     artifacts: Set[Tuple[str, str]] = set()  # a set: a file of repeats is read in linear time
-    with f:
-        for raw in _lines(f):
-            item = _parse(raw)
-            if item is None:
+    try:
+        for item in jsonl.records(path, MAX_LINE):  # a torn or too long line: skipped unread
+            if not _is_run_id(item.get("run")):
                 continue
             if item["run"] not in runs:
                 if len(runs) >= MAX_RUNS:
                     continue
                 runs.add(item["run"])
             _add(unsent, item, artifacts)
+    except FileNotFoundError:
+        return unsent
     return unsent
-
-
-def _lines(f: Any) -> Iterator[bytes]:
-    """The file's lines up to MAX_LINE bytes; a longer one (a file of garbage without a
-    newline) is skipped a chunk at a time, never held whole."""
-    while True:
-        raw = f.readline(MAX_LINE + 1)
-        if not raw:
-            return
-        if len(raw) <= MAX_LINE:
-            yield raw
-            continue
-        while raw and not raw.endswith(b"\n"):
-            raw = f.readline(1 << 16)
-
-
-def _parse(raw: bytes) -> Optional[Dict[str, Any]]:
-    try:
-        item = json.loads(raw)
-    except (ValueError, RecursionError):  # a torn last line; nesting too deep to parse
-        return None
-    if not isinstance(item, dict) or not _is_run_id(item.get("run")):
-        return None
-    return item
 
 
 def _is_run_id(value: Any) -> bool:
