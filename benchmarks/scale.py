@@ -396,10 +396,42 @@ def fill_many(root: str, limit: int, first: int, count: int) -> None:
         cache.ensure(f"new-{i}", lambda: b"x" * 100)
 
 
+def start(root: str, limit: int, recount: bool) -> None:
+    """One process's start on the cache at `root`; `recount`: preceded by a recount under
+    the lock, as every start made before starts recounted only an untrusted ledger."""
+    from data.cache import NodeCache
+
+    if recount:
+        cache = NodeCache.__new__(NodeCache)
+        cache.__setstate__({"root": Path(root), "limit_bytes": limit, "_warned": set()})
+        with cache._lock(cache.root / "state.lock"):
+            cache._recount("every start recounts")
+    NodeCache(Path(root), limit)
+
+
+def starts(root: Path, limit: int, recount: bool, count: int = 8) -> float:
+    """Seconds until `count` processes started at once on the cache have all started."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=start, args=(str(root), limit, recount)) for _ in range(count)]
+
+    def all_of_them() -> None:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+            assert p.exitcode == 0
+
+    return timed(all_of_them)
+
+
 def cache_costs(work: Path, entries: int) -> Dict[str, float]:
     """The node cache holding `entries` files: a lookup (a hit), a fill, an eviction pass,
-    a process's start (its recount), and fills by 2 processes at once against 1."""
-    from data.cache import NodeCache
+    a process's start, 8 processes starting at once (as every start recounted, then as
+    they do: with the ledger trusted, and after a process died changing it), and fills by
+    2 processes at once against 1."""
+    from data.cache import CHANGING, NodeCache
 
     root = work / f"cache-{entries}"
     shutil.rmtree(root, ignore_errors=True)
@@ -407,7 +439,11 @@ def cache_costs(work: Path, entries: int) -> Dict[str, float]:
     keys = prefill(root, entries, payload)
     limit = 1 << 50
     costs: Dict[str, float] = {}
-    costs["start (recount) s"] = timed(lambda: NodeCache(root, limit))
+    costs["first start (recount: no ledger yet) s"] = timed(lambda: NodeCache(root, limit))
+    costs["a start (ledger trusted) s"] = timed(lambda: NodeCache(root, limit))
+    before = costs["8 starts at once, each recounting (before) s"] = starts(root, limit, True)
+    after = costs["8 starts at once, ledger trusted s"] = starts(root, limit, False)
+    costs["8 starts: before / trusted x"] = before / after
     cache = NodeCache.__new__(NodeCache)
     cache.__setstate__({"root": root, "limit_bytes": limit, "_warned": set()})  # a worker's
     rng = random.Random(0)
@@ -419,10 +455,14 @@ def cache_costs(work: Path, entries: int) -> Dict[str, float]:
     began = time.perf_counter()
     candidates = cache._eviction_candidates(1)
     costs["eviction scan (unlocked) s"] = time.perf_counter() - began
-    with cache._lock(root / "state.lock"):
+    with cache._ledger():
         costs["eviction under the lock s"] = timed(
             lambda: cache._evict(cache._usage() // 10, candidates))
     cache.limit_bytes = limit
+    with cache._lock(root / "state.lock"):  # as a process killed in a change leaves it
+        cache._write_usage(cache._usage(), CHANGING)
+    costs["8 starts at once after a kill in a change (1 recounts) s"] = starts(root, limit,
+                                                                              False)
     fills = 400
     costs["1 process fills/s"] = 2 * fills / timed(
         lambda: fill_many(str(root), limit, 10_000_000, 2 * fills))
