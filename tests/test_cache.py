@@ -452,3 +452,24 @@ def test_processes_killed_while_filling_at_once_leave_a_true_ledger(tmp_path):
     recounts(start_processes(cache, "start", 1))
     assert not list((cache / "fills").iterdir())
     assert ledger_matches_disk(cache) and object_bytes(cache) > 0
+
+
+def test_the_first_start_after_a_reboot_recounts(tmp_path, monkeypatch, caplog):
+    """Writes to the ledger still in the page cache at a power loss are lost, so a start
+    trusts only a ledger written since this boot; a host that names no boot recounts at
+    every start."""
+    NodeCache(tmp_path / "c", 10 ** 6).get("ef" * 20, lambda: b"v" * 300)
+
+    def starts_recounting() -> List[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="data.cache"):
+            NodeCache(tmp_path / "c", 10 ** 6)
+        return [r.getMessage() for r in our_records(caplog) if "recounted" in r.getMessage()]
+
+    assert starts_recounting() == []  # the control: the same boot
+    monkeypatch.setattr("data.cache.boot_id", lambda: b"0d6c2a8e-another-boot")
+    assert ["written before this boot" in m for m in starts_recounting()] == [True]
+    assert starts_recounting() == []
+    monkeypatch.setattr("data.cache.boot_id", lambda: None)
+    assert len(starts_recounting()) == len(starts_recounting()) == 1
+    assert ledger_matches_disk(tmp_path / "c")
