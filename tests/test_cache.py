@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,8 +17,6 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import List
-
-import signal
 
 import pytest
 import torch
