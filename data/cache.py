@@ -3,8 +3,9 @@
 Layout under `cache_dir`:
 
     objects/<k[:2]>/<k>   cached files: the payload, then a footer (magic, length, crc32)
+    fills/                fills in progress: .tmp-<pid>-<thread>-<booked bytes>-<k>
     locks/<k[:3]>         fetch locks (4096 stripes), so one process fetches, others wait
-    state.lock, usage     the byte ledger of everything in objects/, guarded by a file lock
+    state.lock, usage     the byte ledger of objects/ and fills/, guarded by a file lock
     index/                each split's stored listing (data/index.py)
 
 Runs share a cache too (`default_cache_dir()`): a file is keyed by its URL, protocol
@@ -18,12 +19,21 @@ read checks the footer, so a partial or corrupt file is never served (it is drop
 fetched again). `limit_bytes` is a hard budget: space is reserved in the ledger before a
 file is written, evicting least-recently-used files (by mtime, which hits refresh, to the minute).
 When the disk itself is full, the cache evicts, retries once, then reads through.
+
+A process start does not recount the cache (seconds at a million entries, and every rank of
+a node starts at once): it only settles the fills of processes that died (a short listing of
+fills/). The ledger is recounted only when it cannot be trusted: a change to it is marked in
+progress in the ledger itself until done, so a process killed in the middle of one leaves
+the mark, and the next process to take the lock recounts, once for the node; so does the
+first start after a reboot (the ledger names the boot that wrote it: page-cache writes may
+have been lost) or in a cache without a ledger.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import logging
 import math
@@ -46,6 +56,7 @@ FOOTER = struct.Struct("<8sQI")  # magic, payload length, crc32 of the payload
 MAGIC = b"GPCACHE1"
 LOW_WATERMARK = 0.9  # eviction frees down to this fraction of the limit, to amortize scans
 LRU_CLOCK_SECONDS = 60  # a hit refreshes a file's mtime when it is older than this
+CLEAN, CHANGING = b"clean", b"dirty"  # the ledger's state: settled, or a change under way
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,15 @@ def default_cache_dir() -> str:
     return os.path.join(base, "goodput-trainer")
 
 
+@functools.lru_cache(maxsize=None)
+def boot_id() -> Optional[bytes]:
+    """This boot of the host (Linux), or None where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_bytes().strip() or None
+    except OSError:
+        return None
+
+
 def cache_key(url: str, size: int) -> str:
     # The size is part of the key, so a file replaced on the volume is not served stale.
     return hashlib.sha1(f"{url}\0{size}".encode()).hexdigest()
@@ -82,7 +102,7 @@ class NodeCache:
     def __init__(self, root: Path, limit_bytes: int) -> None:
         self.root, self.limit_bytes = Path(root), int(limit_bytes)
         self._warned: Set[str] = set()
-        for sub in ("objects", "locks"):
+        for sub in ("objects", "fills", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self.reconcile()
         self._warn_if_over_budget()
@@ -157,9 +177,9 @@ class NodeCache:
                 return blob
         log.warning("cache file %s is truncated or corrupt: dropping it and fetching again",
                     path)
-        with self._lock(self.root / "state.lock"):
+        with self._ledger():
             path.unlink(missing_ok=True)
-            self._recount()  # its booked size is unknown now that the file is damaged
+            self._recount("a damaged file's booked size is unknown")
         return None
 
     # ---- writing and the byte budget ----------------------------------------------------
@@ -168,10 +188,12 @@ class NodeCache:
         size = len(payload) + FOOTER.size
         if size > self.limit_bytes:
             return  # larger than the whole budget: read through
+        path.parent.mkdir(exist_ok=True)
         for _ in range(2):
-            # The temporary name carries the booked size, so a recount can see reservations.
-            tmp = path.with_name(f".tmp-{os.getpid()}-{threading.get_ident()}-{size}-"
-                                 f"{path.name}")
+            # The temporary name carries the booked size and the pid, so that a start can
+            # give back a dead process's booking without recounting.
+            tmp = self.root / "fills" / (f".tmp-{os.getpid()}-{threading.get_ident()}-"
+                                         f"{size}-{path.name}")
             if not self._reserve(size, tmp, self._eviction_candidates(size)):
                 return  # the budget is taken by other processes' fills in flight
             try:
@@ -181,20 +203,21 @@ class NodeCache:
                 os.replace(tmp, path)
                 return
             except FileNotFoundError:
-                # Another process's recount removed the fill, and its booking, as a dead
+                # Another process's start removed the fill, and its booking, as a dead
                 # one's: a pid alive on another host or in another PID namespace (runs
                 # sharing the directory) looks dead there. This read goes on uncached.
                 return
             except OSError as err:
-                with self._lock(self.root / "state.lock"):
+                with self._ledger():
                     tmp.unlink(missing_ok=True)
                     self._add_usage(-size)
-                    if err.errno != errno.ENOSPC:
-                        raise
-                    self._warn_once("cache disk at %s is full before data.cache_limit_gb is "
-                                    "reached: evicting least-recently-used files; set "
-                                    "data.cache_limit_gb below the disk's free space")
-                    self._evict(max(4 * size, self._usage() // 10))
+                    if err.errno == errno.ENOSPC:
+                        self._warn_once("cache disk at %s is full before data.cache_limit_gb "
+                                        "is reached: evicting least-recently-used files; set "
+                                        "data.cache_limit_gb below the disk's free space")
+                        self._evict(max(4 * size, self._usage() // 10))
+                if err.errno != errno.ENOSPC:
+                    raise
         self._warn_once("cache disk at %s is full even after eviction: reading from the "
                         "volume without caching; free disk space or lower data.cache_limit_gb")
 
@@ -217,13 +240,12 @@ class NodeCache:
         """Book `size` bytes and create the (empty) fill file `tmp`, in one step under the
         lock, evicting `candidates` in order (and scanning again only when they are not
         enough); False when the bytes do not fit even after eviction."""
-        with self._lock(self.root / "state.lock"):
+        with self._ledger():
             if self._usage() + size > self.limit_bytes:
                 need = self._usage() + size - int(self.limit_bytes * LOW_WATERMARK)
                 self._evict(need, candidates)
             if self._usage() + size > self.limit_bytes:
                 return False
-            tmp.parent.mkdir(exist_ok=True)
             tmp.touch()
             self._add_usage(size)
             return True
@@ -239,8 +261,8 @@ class NodeCache:
     def _remove(self, entries: Sequence[Tuple[float, int, Path]], need: float = math.inf
                 ) -> int:
         """Unlink cached files in order until `need` bytes are freed, then take them off
-        the ledger in one write (lock held; a crash in between leaves it counting too
-        much, which evicts early until the next process start recounts); the bytes freed."""
+        the ledger in one write (in a change to the ledger: a crash in between leaves it
+        marked for a recount); the bytes freed."""
         freed = 0
         try:
             for _, _, path in entries:
@@ -265,52 +287,134 @@ class NodeCache:
     def _scan(self) -> Iterator[Tuple[float, int, Path]]:
         """(mtime, size, path) of every finished object."""
         for entry in self._entries():
-            if entry.name.startswith(".tmp-"):
-                continue
             try:
                 st = entry.stat()
             except FileNotFoundError:
                 continue
             yield st.st_mtime, st.st_size, Path(entry.path)
 
-    def _recount(self) -> None:
-        """Set the ledger to the finished objects plus the live fills' reservations, and
-        delete fills whose process died (lock held)."""
-        total = sum(size for _, size, _ in self._scan())
-        for entry in self._entries():
-            if entry.name.startswith(".tmp-"):
-                _, pid, _, size, _ = entry.name.split("-", 4)
-                if pid_alive(int(pid)):
-                    total += int(size)
-                else:
-                    Path(entry.path).unlink(missing_ok=True)
-        self._write_usage(total)
+    def _fills(self) -> Iterator[Tuple[Path, int, int, str]]:
+        """(path, pid, booked bytes, key) of every fill in progress, or left by a dead
+        process."""
+        for entry in os.scandir(self.root / "fills"):
+            try:
+                _, pid, _, size, key = entry.name.split("-", 4)
+                yield Path(entry.path), int(pid), int(size), key
+            except ValueError:
+                continue  # not a name of ours
 
-    def reconcile(self) -> None:
-        """Recount the ledger from disk. Run once per process start: a crash between a
-        reservation and its fill would otherwise leak budget forever."""
-        with self._lock(self.root / "state.lock"):
-            self._recount()
+    def _recount(self, why: str) -> int:
+        """Set the ledger to the finished objects plus the live fills' bookings, and
+        delete the fills whose process died (lock held); the objects counted.
+
+        A fill is renamed into objects/ without the lock, so one may be seen in both
+        listings: it counts once, unless its fill file still exists after the objects
+        were listed (then both are on disk)."""
+        live = {}
+        for path, pid, size, key in self._fills():
+            if pid_alive(pid):
+                live[key] = (path, size)
+            else:
+                path.unlink(missing_ok=True)
+        total = objects = 0
+        renamed = set()
+        for _, size, path in self._scan():
+            if path.name.startswith(".tmp-"):  # a fill of a version that kept them here
+                path.unlink(missing_ok=True)
+                continue
+            total, objects = total + size, objects + 1
+            if path.name in live:
+                renamed.add(path.name)
+        total += sum(size for key, (path, size) in live.items()
+                     if key not in renamed or path.exists())
+        self._write_usage(total, CLEAN)
+        log.info("recounted the cache ledger at %s (%s): %d objects, %d bytes",
+                 self.root, why, objects, total)
+        return objects
+
+    def _settle_dead_fills(self) -> int:
+        """Give back the bookings of fills whose process died, and delete them (in a change
+        to the ledger); the bytes given back."""
+        freed = 0
+        for path, pid, size, _ in self._fills():
+            if not pid_alive(pid):
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue  # renamed meanwhile: a live fill after all, from another host
+                freed += size
+        if freed:
+            self._add_usage(-freed)
+        return freed
+
+    def reconcile(self) -> int:
+        """Run once per process start: give back what the fills of dead processes booked
+        (a crash between a reservation and its rename would otherwise leak budget
+        forever), after recounting the ledger if it cannot be trusted (see the module's
+        docstring); the objects recounted, 0 when the ledger was trusted."""
+        with self._ledger(at_start=True) as recounted:
+            self._settle_dead_fills()
+        return recounted
 
     def usage_bytes(self) -> int:
-        with self._lock(self.root / "state.lock"):
+        with self._ledger(change=False):
             return self._usage()
 
-    def _usage(self) -> int:
+    @contextmanager
+    def _ledger(self, change: bool = True, at_start: bool = False) -> Iterator[int]:
+        """The state lock, with a ledger that can be trusted: recounted first if a process
+        died in the middle of a change (or, `at_start`, if another boot wrote it); yields
+        the objects recounted, 0 if none. A `change` is marked in the ledger until it is
+        done, so that if this process dies in it (or an error escapes it), the next one
+        recounts."""
+        with self._lock(self.root / "state.lock"):
+            why = self._distrust(at_start)
+            recounted = self._recount(why) if why else 0
+            if change:
+                self._write_usage(self._usage(), CHANGING)
+            yield recounted
+            if change:
+                self._write_usage(self._usage(), CLEAN)
+
+    def _distrust(self, at_start: bool) -> Optional[str]:
+        """Why the ledger cannot be trusted (lock held), or None."""
+        _, booted, state = self._record()
+        if state == CHANGING:
+            return "a process died changing it"
+        if state != CLEAN:
+            return "no ledger yet"
+        if at_start and boot_id() is None:
+            return "this host names no boot, so a reboot cannot be told from a restart"
+        if at_start and booted != boot_id():
+            return "written before this boot"
+        return None
+
+    def _record(self) -> Tuple[int, bytes, bytes]:
+        """The ledger: (bytes booked, the boot that wrote it, its state); state b"" when
+        there is none, or it is not one of ours."""
         try:
-            return int((self.root / "usage").read_bytes() or 0)
+            fields = (self.root / "usage").read_bytes().split()
         except FileNotFoundError:
-            return 0
+            return 0, b"", b""
+        if len(fields) != 3 or not fields[0].isdigit() or fields[2] not in (CLEAN, CHANGING):
+            return 0, b"", b""
+        return int(fields[0]), fields[1], fields[2]
+
+    def _usage(self) -> int:
+        return self._record()[0]
 
     def _add_usage(self, delta: int) -> None:
-        self._write_usage(max(0, self._usage() + delta))
+        self._write_usage(max(0, self._usage() + delta), CHANGING)
 
-    def _write_usage(self, value: int) -> None:
+    def _write_usage(self, value: int, state: bytes) -> None:
         # Overwritten in place at a fixed width: a full disk must not stop the bookkeeping
         # (a new file would need a new block), and the state lock is held.
+        record = b"%20d %-36s %s\n" % (value, boot_id() or b"-", state)
         fd = os.open(self.root / "usage", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            os.pwrite(fd, b"%20d" % value, 0)
+            os.pwrite(fd, record, 0)
+            if os.fstat(fd).st_size > len(record):  # a ledger of another layout
+                os.ftruncate(fd, len(record))
         finally:
             os.close(fd)
 

@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,14 +67,15 @@ def volume_reads(log: Path) -> Counter:
 
 
 def object_bytes(cache_dir: Path) -> int:
-    """Everything on disk under objects/, fills in progress included, as one snapshot: the
-    state lock keeps evictions and reservations out while we walk, and a fill renamed
+    """Everything on disk under objects/ and fills/ (fills in progress), as one snapshot:
+    the state lock keeps evictions and reservations out while we walk, and a fill renamed
     during the walk counts once (its temporary name ends with its final name)."""
     sizes = {}
     fd = os.open(cache_dir / "state.lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        for dirpath, _, files in os.walk(cache_dir / "objects"):
+        walks = [*os.walk(cache_dir / "fills"), *os.walk(cache_dir / "objects")]
+        for dirpath, _, files in walks:
             for name in files:
                 try:
                     size = os.stat(os.path.join(dirpath, name)).st_size
@@ -332,3 +334,141 @@ def test_a_run_whose_budget_is_below_what_the_shared_cache_holds_says_so_once(
     lines = [r.getMessage() for r in our_records(caplog)]
     assert len(lines) == 1 and "over this run's data.cache_limit_gb" in lines[0], lines
     assert "same data.cache_limit_gb" in lines[0]
+
+
+# ---- process starts: the ledger recounted once per node, and only when it must be ----
+
+# One process on the cache at argv[1]: prints "ready" once imported, waits for a line on
+# stdin, then starts (logging the cache's records) and acts as argv[2] says: "start" only;
+# "fill" or "change": one fill, stopping (for the kill) after its reservation, or inside a
+# change to the ledger with the state lock held; "loop": fills until killed.
+PROCESS = """
+import itertools, logging, os, sys
+from data.cache import NodeCache
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+root, act = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+sys.stdin.readline()
+cache = NodeCache(root, 10 ** 6)
+
+def stop_here():
+    print("stopped", flush=True)
+    sys.stdin.read()  # until killed
+
+def wrap(name):
+    method = getattr(NodeCache, name)
+    def stopping(self, *args):
+        method(self, *args)
+        stop_here()
+    setattr(NodeCache, name, stopping)
+
+if act in ("fill", "change"):
+    wrap("_reserve" if act == "fill" else "_add_usage")
+    cache.ensure("ab" * 20, lambda: b"x" * 1000)
+elif act == "loop":
+    for i in itertools.count():
+        cache.ensure(f"{os.getpid()}k{i}", lambda: b"y" * (100 + i % 50))
+        print(i, flush=True)
+"""
+
+
+def start_processes(cache: Path, act: str, count: int) -> List[subprocess.Popen]:
+    """`count` processes, started at once once all are imported."""
+    procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(cache), act], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO)))
+             for _ in range(count)]
+    for proc in procs:
+        assert proc.stdout.readline() == "ready\n", proc.communicate()[1][-2000:]
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    return procs
+
+
+def recounts(procs: List[subprocess.Popen]) -> int:
+    """How many of these (finished) processes recounted the ledger, by their log."""
+    count = 0
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        count += sum(line.startswith("data.cache recounted") for line in err.splitlines())
+    return count
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def ledger_matches_disk(cache: Path) -> bool:
+    return NodeCache(cache, 10 ** 6).usage_bytes() == object_bytes(cache)
+
+
+def test_processes_starting_at_once_recount_the_ledger_once_and_only_when_it_is_untrusted(
+        tmp_path):
+    """Every rank of a node starts at once after a restart; a recount of a big cache takes
+    seconds under the lock, so paid by each rank in turn it was paid 8 times per node."""
+    cache = tmp_path / "c"
+    filled = NodeCache(cache, 10 ** 6)
+    for i in range(50):
+        filled.get(f"{i:02d}" * 20, lambda: b"z" * 500)
+    assert recounts(start_processes(cache, "start", 4)) == 0  # a trusted ledger: none
+    stopped, = start_processes(cache, "change", 1)
+    assert stopped.stdout.readline() == "stopped\n"
+    kill(stopped)  # in the middle of a change to the ledger: it cannot be trusted
+    assert recounts(start_processes(cache, "start", 4)) == 1  # once for the node
+    assert recounts(start_processes(cache, "start", 4)) == 0
+    assert ledger_matches_disk(cache) and not list((cache / "fills").iterdir())
+
+
+@pytest.mark.parametrize("where", ["fill", "change"])
+def test_a_process_killed_mid_fill_leaves_the_next_start_a_true_ledger(tmp_path, where):
+    """Killed after booking its fill (the usual instant: the write takes longer than the
+    booking), or with the state lock held in the middle of the booking."""
+    cache = tmp_path / "c"
+    NodeCache(cache, 10 ** 6).get("cd" * 20, lambda: b"w" * 700)
+    stopped, = start_processes(cache, where, 1)
+    assert stopped.stdout.readline() == "stopped\n"
+    kill(stopped)
+    assert list((cache / "fills").iterdir())  # the control: its fill is left behind
+    # A fill left outside the lock is given back without a recount.
+    assert recounts(start_processes(cache, "start", 1)) == (where == "change")
+    assert not list((cache / "fills").iterdir())
+    assert ledger_matches_disk(cache)
+    assert object_bytes(cache) == 700 + FOOTER.size
+
+
+def test_processes_killed_while_filling_at_once_leave_a_true_ledger(tmp_path):
+    cache = tmp_path / "c"
+    procs = start_processes(cache, "loop", 3)
+    for n, proc in enumerate(procs):
+        for _ in range(20 + 7 * n):  # each killed after a different number of fills
+            assert proc.stdout.readline()
+    for proc in procs:
+        kill(proc)
+    recounts(start_processes(cache, "start", 1))
+    assert not list((cache / "fills").iterdir())
+    assert ledger_matches_disk(cache) and object_bytes(cache) > 0
+
+
+def test_the_first_start_after_a_reboot_recounts(tmp_path, monkeypatch, caplog):
+    """Writes to the ledger still in the page cache at a power loss are lost, so a start
+    trusts only a ledger written since this boot; a host that names no boot recounts at
+    every start."""
+    NodeCache(tmp_path / "c", 10 ** 6).get("ef" * 20, lambda: b"v" * 300)
+
+    def starts_recounting() -> List[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="data.cache"):
+            NodeCache(tmp_path / "c", 10 ** 6)
+        return [r.getMessage() for r in our_records(caplog) if "recounted" in r.getMessage()]
+
+    assert starts_recounting() == []  # the control: the same boot
+    monkeypatch.setattr("data.cache.boot_id", lambda: b"0d6c2a8e-another-boot")
+    assert ["written before this boot" in m for m in starts_recounting()] == [True]
+    assert starts_recounting() == []
+    monkeypatch.setattr("data.cache.boot_id", lambda: None)
+    assert len(starts_recounting()) == len(starts_recounting()) == 1
+    assert ledger_matches_disk(tmp_path / "c")
