@@ -13,7 +13,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from checkpointing import plan
+from checkpointing import plan as intervals
 from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
@@ -101,22 +101,23 @@ class CheckpointSchedule:
 
     def saved(self, step: int, stall_seconds: float, save_seconds: float) -> None:
         """A save at `step` blocked the loop `stall_seconds`; the last finished one took
-        `save_seconds` in all (async: in the background). Re-plan from the medians."""
+        `save_seconds` in all (async: in the background). Pick the interval again from
+        the medians."""
         now = time.perf_counter()
         if self.auto and step > self.last_save_step:
             self.stalls.append(stall_seconds)
             self.saves.append(save_seconds)
             work = max(now - self.last_time - stall_seconds, 0.0)
             self.steps.append(work / (step - self.last_save_step))
-            self.replan()
+            self.repick_interval()
         self.last_save_step, self.last_time = step, now
 
-    def replan(self) -> None:
+    def repick_interval(self) -> None:
         """The exact model's optimum in steps, never shorter than a save takes to finish
         (one save at a time: a sooner one would wait for it, blocking the loop)."""
         stall, save, step = (statistics.median(m) for m in (self.stalls, self.saves, self.steps))
         step = max(step, 1e-9)
-        if why := plan.hopeless(save, self.mtbf_seconds):
+        if why := intervals.hopeless(save, self.mtbf_seconds):
             if not self.hopeless:  # once: it does not change from save to save
                 log.warning("checkpoint.auto_interval: %s (checkpoint.mtbf_hours=%g): keeping "
                             "%d steps; give the job's real MTBF, or make saves faster "
@@ -124,21 +125,23 @@ class CheckpointSchedule:
                             self.interval)
             self.hopeless = True
             return
-        optimum = plan.exact_optimum(max(stall, 1e-6), self.mtbf_seconds)
+        optimum = intervals.exact_optimum(max(stall, 1e-6), self.mtbf_seconds)
         pick = max(1, math.ceil(max(optimum, save) / step))
         # One step is the finest move there is: 1 <-> 2 is not worth a line at every save
         if abs(pick - self.interval) <= max(self.CHANGE * self.interval, 1):
             return
         self.interval = pick
-        goodput = plan.exact_goodput(pick * step, stall, self.restart_seconds, self.mtbf_seconds)
+        goodput = intervals.exact_goodput(pick * step, stall, self.restart_seconds,
+                                          self.mtbf_seconds)
         why = ("the save's own duration, above the optimum" if save > optimum else
                "the exact model's optimum")
         log.info("checkpoint interval: %d steps (%s of %.3fs steps), %s; median stall "
                  "%.3fs, save %.2fs, MTBF %s (checkpoint.mtbf_hours), restart %s (%s): "
-                 "expected goodput %.1f%% (Young: %d steps)", pick, plan.duration(pick * step),
-                 step, why, stall, save, plan.duration(self.mtbf_seconds),
-                 plan.duration(self.restart_seconds), self.restart_source, 100 * goodput,
-                 math.ceil(plan.young_interval(max(stall, 1e-6), self.mtbf_seconds) / step))
+                 "expected goodput %.1f%% (Young: %d steps)", pick,
+                 intervals.duration(pick * step), step, why, stall, save,
+                 intervals.duration(self.mtbf_seconds), intervals.duration(self.restart_seconds),
+                 self.restart_source, 100 * goodput,
+                 math.ceil(intervals.young_interval(max(stall, 1e-6), self.mtbf_seconds) / step))
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ class RunCheckpoints(Checkpoints):
         self.cfg, self.manager, self.components = cfg, manager, components
         self.identity, self.world_size, self.faults = identity, world_size, faults
         self.schedule = CheckpointSchedule(cfg, start_step=0)
-        self.stall_seconds = 0.0  # the last save's, for the planner and the metrics
+        self.stall_seconds = 0.0  # the last save's, for the schedule and the metrics
         self._landing: Optional[tuple] = None  # (step, wall time begun) of the save in flight
         self._failures_seen = 0
 

@@ -127,10 +127,11 @@ def training_loop(job: Job, run: RunServices, position: Position) -> Dict[str, f
     """Train from `position` to `total_steps` optimizer steps; returns the last metrics of
     each kind. `position` is the one record of where the run is: each step, skip and
     rollback hands back the next one (and under ddp_ft, a heal from a peer)."""
-    settings, last = job.settings, {}
+    settings, last = job.settings, {}  # type: LoopSettings, Dict[str, float]
     run.goodput.started(position.step)
-    began, first_step = time.perf_counter(), position.step + 1
-    loader, batches, window = *batches_at(job, position), Window()
+    loader = job.loader_at(position)
+    began, first_step = time.perf_counter(), position.step + 1  # the workers start at iter()
+    batches, window = iter(loader), Window()
     with open_ledger(settings.audit_ledger) or nullcontext() as ledger, \
             ProgressBar(settings.total_steps, position.step) as bar, run.watchdog:
         while position.step < settings.total_steps:
