@@ -184,8 +184,8 @@ NO_CHECKPOINTS = Checkpoints()
 
 class RunCheckpoints(Checkpoints):
     """This run's checkpoints, as the trainer sees them: restores at start, saves when due
-    (it decides), rolls back, and reports what saving cost; the `CheckpointManager` below
-    writes, verifies and reads one state dict as a checkpoint. `components` are the
+    (it decides), rolls back, and reports what saving cost; under it, `CheckpointManager`
+    (checkpointing/manager.py) writes, verifies and reads one state dict as a checkpoint. `components` are the
     `Stateful` parts of a checkpoint; the position is passed in at each save and handed back
     by each load."""
 

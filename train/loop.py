@@ -127,7 +127,7 @@ def training_loop(job: Job, run: RunServices, position: Position) -> Dict[str, f
     """Train from `position` to `total_steps` optimizer steps; returns the last metrics of
     each kind. `position` is the one record of where the run is: each step, skip and
     rollback hands back the next one (and under ddp_ft, a heal from a peer)."""
-    settings, last = job.settings, {}  # type: LoopSettings, Dict[str, float]
+    settings, last = job.settings, dict[str, float]()
     run.goodput.started(position.step)
     loader = job.loader_at(position)
     began, first_step = time.perf_counter(), position.step + 1  # the workers start at iter()
