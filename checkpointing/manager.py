@@ -553,17 +553,28 @@ class CheckpointManager:
         return True
 
     def load_latest(self, state: Dict[str, Any],
-                    optional_keys: Callable[[int], List[str]] = lambda world: []
-                    ) -> Optional[Loaded]:
-        """Load the newest complete checkpoint that loads into `state`; what it loaded, or
-        None when there is none. `optional_keys(saved_world_size)` names top-level keys to
-        leave out (e.g. per-rank RNG when the world size changed)."""
+                    optional_keys: Callable[[int], List[str]] = lambda world: [],
+                    header: Optional[Dict[str, Any]] = None,
+                    check: Callable[[int], None] = lambda step: None,
+                    at_most: Optional[int] = None) -> Optional[Loaded]:
+        """Load the newest complete checkpoint (none after step `at_most`) that loads into
+        `state`, skipping bad ones; what it loaded, or None when none does. The `header`
+        loads first, partially (a key a checkpoint lacks keeps the value it holds), and
+        `check(step)` may refuse the checkpoint by raising; then `state`, less the top-level
+        keys `optional_keys(saved_world_size)` names (e.g. per-rank RNG when the world size
+        changed). The one loop of both the trainer's resume and rollback."""
         for step, saved_world in self.complete_checkpoints():
-            skip = set(optional_keys(saved_world))
+            if at_most is not None and step > at_most:
+                continue
             start = time.perf_counter()
+            if header is not None and not self.load(step, header, partial=True):
+                continue
+            check(step)
+            skip = set(optional_keys(saved_world))
             if self.load(step, {k: v for k, v in state.items() if k not in skip}):
-                log.info("loaded checkpoint step %d (saved at world size %d) in %.1fs", step,
-                         saved_world, time.perf_counter() - start)
+                log.info("resumed from %s (step %d, saved at world size %d) in %.1fs",
+                         self.remote.url_of(commit.step_dir_name(step)), step, saved_world,
+                         time.perf_counter() - start)
                 return Loaded(step, saved_world)
         return None
 

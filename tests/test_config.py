@@ -350,13 +350,13 @@ def test_a_replica_id_outside_the_groups_is_one_line_and_exit_2(tmp_path):
 
 @pytest.mark.parametrize("min_replicas, groups", [(3, 2), (2, 1), (100, 8)])
 def test_ddp_ft_refuses_a_quorum_above_the_planned_width(min_replicas, groups):
-    from train.recovery.replicas import check_plan
+    from train.recovery.replicas import check_fault_tolerance
 
     cfg = compose_config(["+experiment=resnet", "strategy=ddp_ft",
                           f"strategy.fault_tolerance.min_replicas={min_replicas}",
                           f"strategy.fault_tolerance.replica_groups={groups}"])
     with pytest.raises(ConfigError, match="min_replicas=.* is above replica_groups=.*: no step "
                                           "could commit"):
-        check_plan(1, cfg.strategy.fault_tolerance)
+        check_fault_tolerance(1, cfg.strategy.fault_tolerance)
     cfg.strategy.fault_tolerance.min_replicas = groups
-    check_plan(1, cfg.strategy.fault_tolerance)
+    check_fault_tolerance(1, cfg.strategy.fault_tolerance)

@@ -71,9 +71,9 @@ def test_skips_persist_and_rollbacks_are_capped(tmp_path):
 def test_state_round_trips_and_merges_skips(tmp_path):
     state = HealthState(window=3)
     state.losses.extend([1.5, 0.1 + 0.2])
-    state.skipped = {4}
+    state.skip([4])
     other = HealthState(window=3)
-    other.skipped = {9}
+    other.skip([9])
     other.load_state_dict(state.state_dict())
     assert list(other.losses) == [1.5, 0.1 + 0.2]  # bit for bit
     assert other.skipped == {4, 9}

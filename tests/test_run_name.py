@@ -6,7 +6,7 @@ import pytest
 
 from support.launch import run_train
 from support.runs import compose_config, tiny_overrides
-from train.resume.checkpoint import Checkpointer, build_manager, training_config
+from train.resume.checkpoint import RunCheckpoints, build_manager, training_config
 from train.config import DEFAULT_RUN_NAME_EXCLUDES, default_run_name
 from train.cluster.world import World
 from train.errors import ConfigError
@@ -130,27 +130,34 @@ class RunInfoBeforeNames(RunInfo):
         return {k: v for k, v in super().state_dict().items() if k != "run_name"}
 
 
-def resume_as(tmp_path, run_name, *overrides, save_with=None):
-    """A restore of run `run_name` over the shared checkpoint.dir; with `save_with` (a
-    RunInfo class), then a save at its next step, as a run does. Returns the MLflow run id
-    restored (None: a fresh start) and the step reached."""
+def checkpoints_of(tmp_path, run_name, *overrides, save_with=RunInfo):
+    """Run `run_name`'s checkpoints over the shared checkpoint.dir, holding only its header
+    (a `save_with` built as train.app builds it)."""
     cfg = compose_config(["+experiment=resnet", f"run.name='{run_name}'", "logger=none",
                           f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.async_mode=off",
                           *overrides])
     world = World(rank=0, world_size=1, local_rank=0, control_group=None)
-    info = (save_with or RunInfo)(mlflow_run_id=f"mlflow-{run_name}",
-                                  config=training_config(cfg))
-    checkpointer = Checkpointer(cfg, build_manager(cfg, world), {"run": info},
+    info = save_with(mlflow_run_id=f"mlflow-{run_name}", run_name=cfg.run.name,
+                     config=training_config(cfg))
+    return info, RunCheckpoints(cfg, build_manager(cfg, world), {"run": info},
                                 DataIdentity(0, 1, 1), world_size=1)
+
+
+def resume_as(tmp_path, run_name, *overrides, save_with=None):
+    """A restore of run `run_name` over the shared checkpoint.dir; with `save_with` (a
+    RunInfo class), then a save at its next step, as a run does. Returns the MLflow run id
+    restored (None: a fresh start) and the step reached."""
+    _, checkpoints = checkpoints_of(tmp_path, run_name, *overrides,
+                                    save_with=save_with or RunInfo)
     try:
-        restored = checkpointer.restore()
+        restored = checkpoints.restore()
         position = restored.position if restored else Position()
         if save_with:
             position = position.advanced(steps_per_epoch=1)
-            checkpointer.save(position, last_step=True)
-        return (info.mlflow_run_id if restored else None), position.step
+            checkpoints.save(position, last_step=True)
+        return (restored.run.mlflow_run_id if restored else None), position.step
     finally:
-        checkpointer.close()
+        checkpoints.close()
 
 
 def test_another_runs_checkpoint_is_never_resumed(tmp_path):
@@ -197,3 +204,20 @@ def test_where_a_run_goes_is_never_what_it_trains_whatever_exclude_keys_says():
     assert "model.name" in kept and "trainer.max_steps" in kept  # excludes are emptied
     assert not [k for k in kept if k.split(".")[0] in ("run", "checkpoint", "audit")
                 or k.startswith(("data.cache_dir", "logger.tracking_uri"))], sorted(kept)
+
+
+def test_a_rollback_leaves_this_runs_header_alone(tmp_path):
+    """A load hands back the saved run's header and never writes the live one: a rollback,
+    after resuming with a changed key, to a checkpoint saved before, used to make every
+    later save record that checkpoint's config and MLflow run as this run's."""
+    resume_as(tmp_path, "r", save_with=RunInfo)  # step 1, optim.lr as the experiment has it
+    info, checkpoints = checkpoints_of(tmp_path, "r", "optim.lr=0.5")
+    try:
+        assert checkpoints.restore().position.step == 1
+        info.mlflow_run_id = "mlflow-now"  # what the tracker then gave this process
+        live = dict(info.config)
+        assert checkpoints.roll_back().position.step == 1
+        assert (info.config, info.mlflow_run_id) == (live, "mlflow-now")
+        assert info.config["optim.lr"] == "0.5"
+    finally:
+        checkpoints.close()

@@ -285,13 +285,8 @@ def test_a_resigned_hostile_metadata_is_a_damaged_checkpoint_everywhere(planted,
                           "os.system", push_str(f"mkdir {planted}"))[0]
     plant_metadata(root / STEP_2, payload)
 
-    with caplog.at_level(logging.WARNING):
-        job = Job(seed=9)
-        assert manager(root).load_latest(job.state()).step == 1
-    assert same(job.snapshot(), first)
-    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and STEP_2 in warnings[0] and "refusing" in warnings[0]
-    assert "\n" not in warnings[0] and not any(r.exc_info for r in our_records(caplog))
+    warning = resume_falls_back_to(first, root, caplog)
+    assert STEP_2 in warning and "refusing" in warning
 
     assert verify.main([str(root)]) == 1
     lines = capsys.readouterr().out.splitlines()
@@ -405,15 +400,10 @@ def test_a_hostile_non_tensor_item_falls_back_to_the_previous_checkpoint(tmp_pat
     mgr.save(1, job.state())
     first = job.snapshot()
     mgr.save(2, with_planted_step(job, marker))
-    with caplog.at_level(logging.WARNING):
-        fresh = Job(seed=9)
-        assert manager(root).load_latest(fresh.state()).step == 1
-    assert same(fresh.snapshot(), first) and not marker.exists()
-    warnings = [r for r in our_records(caplog) if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and warnings[0].getMessage().startswith(
+    assert resume_falls_back_to(first, root, caplog).startswith(
         f"checkpoint {root / STEP_2} failed to load (UnsafeCheckpointError: refusing to load "
         f"item position.trainer.step: ")
-    assert not any(r.exc_info for r in our_records(caplog))
+    assert not marker.exists()
 
 
 def _forge_raw(field: str):
@@ -485,7 +475,8 @@ def forged_step_2(tmp_path: Path, forge, **kw) -> tuple:
 
 
 def resume_falls_back_to(first: dict, root: Path, caplog) -> str:
-    """Resume loads step 1, holding `first`, after one warning line (returned)."""
+    """Resume loads step 1, holding `first`, after one warning line (returned). Through
+    `load_latest`, the one loop of the trainer's resume and rollback."""
     with caplog.at_level(logging.WARNING):
         job = Job(seed=9)
         assert manager(root).load_latest(job.state()).step == 1
@@ -562,10 +553,5 @@ def test_a_file_that_shrinks_while_it_is_read_is_a_damaged_checkpoint(tmp_path, 
         return read_raw(reader, stream, size, item, planner)
 
     monkeypatch.setattr(safe_load._DirectTensors, "_load_tensor", shrinking)
-    with caplog.at_level(logging.WARNING):
-        job = Job(seed=9)
-        assert manager(root).load_latest(job.state()).step == 1
-    assert same(job.snapshot(), first)
-    warnings = [r.getMessage() for r in our_records(caplog) if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "bytes short" in warnings[0], warnings
+    assert "bytes short" in resume_falls_back_to(first, root, caplog)
     assert not any(r.exc_info for r in our_records(caplog))

@@ -8,8 +8,8 @@ import sys
 import json
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -29,18 +29,18 @@ from data.pipeline import build_datasets, build_loader
 from data.sampler import BatchPlan, GlobalBatchSampler, SplitBatchSampler
 from train import job_start
 from train.records import events
-from train.resume.checkpoint import Checkpointer, build_manager, training_config
+from train.resume.checkpoint import NO_CHECKPOINTS, RunCheckpoints, build_manager, training_config
 from train.config import Device, LoggerName, Precision, StrategyName
 from train.cluster.world import World, init_world, launched_by_torchrun, shutdown_world
 from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
                           PreflightError, TrainingError)
 from train.faults import FaultHook, Faults
-from train.recovery.replicas import (NO_REPLICAS, FaultTolerantReplicas, Replicas, check_plan,
+from train.recovery.replicas import (NO_REPLICAS, FaultTolerantReplicas, check_fault_tolerance,
                                      replica_dir)
 from train.records.goodput import Goodput
 from train.recovery.health import HealthMonitor, HealthState, Watchdog
 from train.cluster.rank_dirs import replica_dir_name, use_node_local_dirs
-from train.loop import Learner, LoopPlan, evaluate, fit
+from train.loop import Job, Learner, LoopSettings, RunServices, evaluate, training_loop
 from train.learn.model import build_model
 from train.learn.optim import build_optimizer, build_scheduler
 from train.learn.strategy import full_state_dict, parallelize
@@ -48,7 +48,7 @@ from train.cluster.preemption import Preempted, PreemptionFlag, catch_preemption
 from train.cluster.preflight import preflight
 from train.cluster.runlock import hold_run_lock
 from train.resume.stateful import (DataIdentity, ModelState, OptimizerState, Position, RNGState,
-                                   RunInfo, SchedulerState)
+                         RunInfo, SchedulerState)
 from train.records.report import write_run_report
 from train.tracking.tracker import NullTracker, describe, parameter_counts, start_tracker
 
@@ -59,7 +59,7 @@ def run(cfg: DictConfig) -> Dict[str, float]:
     """Train; a mistake the user can fix ends the process with one line and exit code 2."""
     with events.recording_exit():
         try:
-            return train(cfg)
+            return run_process(cfg)
         except (ConfigError, DatasetError, CheckpointError, PreflightError,
                 TrainingError) as err:
             print(f"error: {strip_credentials(str(err))}", file=sys.stderr)
@@ -72,7 +72,9 @@ def run(cfg: DictConfig) -> Dict[str, float]:
             raise SystemExit(EXIT_PREEMPTED) from None
 
 
-def train(cfg: DictConfig) -> Dict[str, float]:
+def run_process(cfg: DictConfig) -> Dict[str, float]:
+    """This process's part of the run: device, seeds, stop signals, process groups and the
+    run lock around the job."""
     OmegaConf.resolve(cfg)  # fixes run.name now, while Hydra's runtime is known
     if cfg.strategy.name == StrategyName.ddp_ft:
         give_replica_group_its_checkpoints(cfg)
@@ -85,7 +87,7 @@ def train(cfg: DictConfig) -> Dict[str, float]:
         try:
             with hold_run_lock(run_dir_of(cfg), cfg.run.name, world):
                 use_node_local_dirs(cfg, world.node_rank if launched_by_torchrun() else None)
-                return train_in_world(cfg, world, device, start, preemption)
+                return run_job(cfg, world, device, start, preemption)
         finally:
             shutdown_world()
 
@@ -109,25 +111,9 @@ def give_replica_group_its_checkpoints(cfg: DictConfig) -> None:
         cfg.checkpoint.staging_dir = str(replica_dir(Path(cfg.checkpoint.staging_dir), ft))
 
 
-@dataclass
-class Job:
-    """What `build` made for this process: read by `resume`, then by `train_to_end`."""
-
-    plan: LoopPlan
-    learner: Learner
-    loader_at: Callable[[Position], torch.utils.data.DataLoader]  # train batches from there
-    val_loader: torch.utils.data.DataLoader
-    info: RunInfo  # the MLflow run and config a checkpoint records
-    health: HealthMonitor
-    checkpointer: Optional[Checkpointer]
-    card: Dict[str, Any]  # what a user of the final model needs to know (model_card)
-    replicas: Replicas = NO_REPLICAS  # ddp_ft: the replica groups this one trains with
-    splits: Dict[str, Any] = field(default_factory=dict)  # the data.index.DatasetIndex of each
-
-
-def train_in_world(cfg: DictConfig, world: World, device: torch.device,
-                   start: float, preemption: PreemptionFlag) -> Dict[str, float]:
-    """Build -> resume -> train to the end."""
+def run_job(cfg: DictConfig, world: World, device: torch.device,
+            start: float, preemption: PreemptionFlag) -> Dict[str, float]:
+    """Build -> resume -> the loop under the tracker."""
     run_dir = run_dir_of(cfg)
     log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
              world.world_size)
@@ -138,8 +124,12 @@ def train_in_world(cfg: DictConfig, world: World, device: torch.device,
     if cfg.health.preflight:
         preflight(world, device, cfg.strategy.timeout_seconds, faults)
     job = build(cfg, world, device, faults)
-    position = resume(cfg, job, world)
-    return train_to_end(cfg, job, world, position, tracker, preemption, faults, start)
+    start_at = resume(cfg, job, world)
+    services = RunServices(tracker, Goodput(run_dir / GOODPUT_FILE if world.rank == 0
+                                            else None, start),
+                           Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0),
+                           preemption, faults)
+    return run_tracked(cfg, job, world, start_at, services)
 
 
 def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook) -> Job:
@@ -147,16 +137,16 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     train_set, val_set = build_datasets(cfg.data, cfg.seed)
     in_band = cfg.strategy.name == StrategyName.ddp_ft
     if in_band:
-        check_plan(cfg.trainer.grad_accum_steps, cfg.strategy.fault_tolerance)
+        check_fault_tolerance(cfg.trainer.grad_accum_steps, cfg.strategy.fault_tolerance)
     # ddp_ft splits each global batch among the step's participants, whatever their number
     batch_plan = BatchPlan(len(train_set), cfg.data.global_batch_size,
                            1 if in_band else world.world_size, cfg.trainer.grad_accum_steps)
-    plan = make_loop_plan(cfg, batch_plan, device)
+    settings = loop_settings(cfg, batch_plan, device)
     log.info("%d train / %d val images, %d classes; %d steps of %d (%d per epoch, %d samples "
              "dropped per epoch)", len(train_set), len(val_set), train_set.num_classes,
-             plan.total_steps, cfg.data.global_batch_size, batch_plan.steps_per_epoch,
+             settings.total_steps, cfg.data.global_batch_size, batch_plan.steps_per_epoch,
              batch_plan.dropped_per_epoch)
-    learner = build_learner(cfg, world, device, train_set.num_classes, plan)
+    learner = build_learner(cfg, world, device, train_set.num_classes, settings)
     pin = device.type == "cuda"
 
     def loader_at(position: Position) -> torch.utils.data.DataLoader:
@@ -177,26 +167,38 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     info = RunInfo(mlflow_run_id=None, run_name=cfg.run.name,
                    config={**training_config(cfg), "model_card": json.dumps(card)})
     health_state = HealthState(cfg.health.median_window)
-    components = {"model": ModelState(learner.model, world.control_group),
-                  "optim": OptimizerState(learner.model, learner.optimizer),
-                  "scheduler": SchedulerState(learner.scheduler), "rng": RNGState(world.rank),
-                  "run": info, "health": health_state}
+    components = stateful_parts(learner, world, info, health_state)
     faults.at("state", state=components)  # negative controls in tests only
     manager = build_manager(cfg, world, faults)
-    checkpointer = manager and Checkpointer(
-        cfg, manager, components, DataIdentity(cfg.seed, len(train_set),
+    checkpoints = (RunCheckpoints(cfg, manager, components,
+                                  DataIdentity(cfg.seed, len(train_set),
                                                cfg.data.global_batch_size),
-        world.world_size, faults)
+                                  world.world_size, faults) if manager else NO_CHECKPOINTS)
     health = HealthMonitor(cfg.health, health_state, world.rank, run_dir_of(cfg),
                            replicated=cfg.strategy.name in (StrategyName.ddp,
                                                             StrategyName.ddp_ft))
-    replicas = (FaultTolerantReplicas(cfg.strategy.fault_tolerance, world, device,
-                                      learner.model, learner.optimizer, learner.scheduler,
-                                      health_state, faults, training_config(cfg),
-                                      cfg.health.replica_check_steps if cfg.health.enabled
-                                      else 0) if in_band else NO_REPLICAS)
-    return Job(plan, learner, loader_at, val_loader, info, health, checkpointer, card,
+    replicas = (build_replicas(cfg, world, device, learner, health_state, faults) if in_band
+                else NO_REPLICAS)
+    return Job(settings, learner, loader_at, val_loader, info, health, checkpoints, card,
                replicas, {"train": train_set.index, "val": val_set.index})
+
+
+def stateful_parts(learner: Learner, world: World, info: RunInfo,
+                   health_state: HealthState) -> Dict[str, Any]:
+    """What a checkpoint holds, as `Stateful` objects (the position is added at each save)."""
+    return {"model": ModelState(learner.model, world.control_group),
+            "optim": OptimizerState(learner.model, learner.optimizer),
+            "scheduler": SchedulerState(learner.scheduler), "rng": RNGState(world.rank),
+            "run": info, "health": health_state}
+
+
+def build_replicas(cfg: DictConfig, world: World, device: torch.device, learner: Learner,
+                   health_state: HealthState, faults: FaultHook) -> FaultTolerantReplicas:
+    """ddp_ft: this trainer's membership of the replica groups (joined in `resume`)."""
+    return FaultTolerantReplicas(cfg.strategy.fault_tolerance, world, device, learner.model,
+                                 learner.optimizer, learner.scheduler, health_state, faults,
+                                 training_config(cfg),
+                                 cfg.health.replica_check_steps if cfg.health.enabled else 0)
 
 
 def model_card(cfg: DictConfig, classes: List[str]) -> Dict[str, Any]:
@@ -208,7 +210,7 @@ def model_card(cfg: DictConfig, classes: List[str]) -> Dict[str, Any]:
 
 
 def build_learner(cfg: DictConfig, world: World, device: torch.device, num_classes: int,
-                  plan: LoopPlan) -> Learner:
+                  settings: LoopSettings) -> Learner:
     model = build_model(cfg.model, num_classes).to(device)
     # FSDP2 refuses non-contiguous (channels_last) parameters; channels_last inputs alone
     # still select the channels_last convolution kernels.
@@ -217,59 +219,71 @@ def build_learner(cfg: DictConfig, world: World, device: torch.device, num_class
     # Before the optimizer is built: FSDP replaces the parameters with sharded ones.
     model = parallelize(model, cfg.strategy, world, device)
     optimizer = build_optimizer(cfg.optim, model)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, plan.planned_steps,
-                                plan.steps_per_epoch)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, settings.planned_steps,
+                                settings.steps_per_epoch)
     return Learner(model, optimizer, scheduler)
 
 
-def resume(cfg: DictConfig, job: Job, world: World) -> Position:
+@dataclass(frozen=True)
+class StartAt:
+    """Where this process starts: the position, and the MLflow run to log into again (that
+    of the checkpoint it resumed from; None: a new one)."""
+
+    position: Position
+    mlflow_run_id: Optional[str] = None
+
+
+def resume(cfg: DictConfig, job: Job, world: World) -> StartAt:
     """Where this process starts: the newest complete checkpoint of the run, or step 0."""
-    restored = job.checkpointer.restore() if job.checkpointer else None
+    restored = job.checkpoints.restore()
     position = restored.position if restored else Position()
     job.health.load_skips(lambda skipped: broadcast_object(skipped, world.control_group))
     position = job.replicas.join(position)  # ddp_ft: a healthy peer ahead is copied
-    if position.step >= job.plan.total_steps:
+    if position.step >= job.settings.total_steps:
         log.info("run %s is already complete at step %d: nothing to train (raise "
                  "trainer.max_epochs or trainer.max_steps to go on)", cfg.run.name,
                  position.step)
-    return position
+    return StartAt(position, restored.run.mlflow_run_id if restored else None)
 
 
-def train_to_end(cfg: DictConfig, job: Job, world: World, position: Position, tracker: NullTracker,
-        preemption: PreemptionFlag, faults: FaultHook, start: float) -> Dict[str, float]:
-    """Train to the end under the MLflow run, then save the final weights."""
-    run_dir = run_dir_of(cfg)
-    with tracker.run(cfg.run.name, cfg, resume_run_id=job.info.mlflow_run_id,
+def run_tracked(cfg: DictConfig, job: Job, world: World, start_at: StartAt,
+                services: RunServices) -> Dict[str, float]:
+    """The loop under the MLflow run, then what ends a run: the last save committed, the
+    report, the final weights."""
+    run_dir, tracker = run_dir_of(cfg), services.tracker
+    with tracker.run(cfg.run.name, cfg, resume_run_id=start_at.mlflow_run_id,
                      run_dir=run_dir) as run_id:
         # every rank saves the same
         job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
         tracker.log_params(parameter_counts(job.learner.model))
         tracker.log_datasets(job.splits)
-        goodput = Goodput(run_dir / GOODPUT_FILE if world.rank == 0 else None, start)
-        watchdog = Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0)
-        metrics = fit(job.learner, job.loader_at, job.val_loader, job.plan, position,
-                      job.health, watchdog, preemption, job.checkpointer, goodput, tracker,
-                      faults, job.replicas)
-        if position.step >= job.plan.total_steps:  # complete already: nothing was trained
+        metrics = training_loop(job, services, start_at.position)
+        if start_at.position.step >= job.settings.total_steps:  # nothing was trained
             metrics = metrics_reached(cfg, job, world, tracker)
-        if job.checkpointer:
-            job.checkpointer.close()
-        job.replicas.close()
-        goodput.save(ended=True)
-        events.record("end", step=job.plan.total_steps)
-        if world.rank == 0:
-            write_run_report(run_dir, tracker)
-            tracker.log_files([run_dir / GOODPUT_FILE])
-        weights = (full_state_dict(job.learner.model) if wants_final_weights(cfg)
-                   else None)  # a collective: every rank
-        if weights is not None and world.rank == 0:
-            if cfg.trainer.save_final_weights:
-                save_final_weights(with_model_card(weights, job.card),
-                                   run_dir / "model_final.pt")
-            log_final_model(cfg, weights, job.card, tracker)
-        log.info("done in %.0fs: %s; %s", time.perf_counter() - start,
-                 describe(metrics, ["train/loss", "val/loss", "val/top1"]), goodput.summary())
+        finish(cfg, job, world, services)
+        log.info("done in %.0fs: %s; %s", time.perf_counter() - services.goodput.process_start,
+                 describe(metrics, ["train/loss", "val/loss", "val/top1"]),
+                 services.goodput.summary())
     return metrics
+
+
+def finish(cfg: DictConfig, job: Job, world: World, services: RunServices) -> None:
+    """After the last step, every rank: the last save committed, the replica groups left,
+    goodput and the report written, the final weights saved and logged."""
+    run_dir, tracker = run_dir_of(cfg), services.tracker
+    job.checkpoints.close()
+    job.replicas.close()
+    services.goodput.save(ended=True)
+    events.record("end", step=job.settings.total_steps)
+    if world.rank == 0:
+        write_run_report(run_dir, tracker)
+        tracker.log_files([run_dir / GOODPUT_FILE])
+    weights = (full_state_dict(job.learner.model) if wants_final_weights(cfg)
+               else None)  # a collective: every rank
+    if weights is not None and world.rank == 0:
+        if cfg.trainer.save_final_weights:
+            save_final_weights(with_model_card(weights, job.card), run_dir / "model_final.pt")
+        log_final_model(cfg, weights, job.card, tracker)
 
 
 def metrics_reached(cfg: DictConfig, job: Job, world: World,
@@ -279,7 +293,8 @@ def metrics_reached(cfg: DictConfig, job: Job, world: World,
     validation again (the final checkpoint's weights, so the same numbers)."""
     logged = broadcast_object(tracker.last_metrics(), world.control_group)
     if cfg.sweep.objective not in logged:
-        logged.update(evaluate(job.learner.model, job.val_loader, job.plan))  # every rank
+        logged.update(evaluate(job.learner.model, job.val_loader, job.settings,
+                               job.replicas))  # every rank
     return logged
 
 
@@ -342,13 +357,13 @@ def seed_everything(seed: int, device: torch.device, deterministic: bool) -> Non
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def make_loop_plan(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device) -> LoopPlan:
+def loop_settings(cfg: DictConfig, batch_plan: BatchPlan, device: torch.device) -> LoopSettings:
     trainer = cfg.trainer
     planned = trainer.max_epochs * batch_plan.steps_per_epoch
     total = min(planned, trainer.max_steps) if trainer.max_steps else planned
     bf16 = trainer.precision == Precision.bf16 or (
         trainer.precision == Precision.auto and device.type == "cuda")
-    return LoopPlan(
+    return LoopSettings(
         total_steps=total,
         planned_steps=planned,
         steps_per_epoch=batch_plan.steps_per_epoch,

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from train.config import StrategyConfig, StrategyName
 from train.cluster.world import World
 from train.errors import ConfigError
-from train.recovery.replicas import replicas_of
+from train.recovery.replicas import Replicas
 
 # FSDP2 averages fp32/bf16 gradients inside the reduce-scatter, with ReduceOp.AVG
 # (_fsdp_collectives._get_gradient_divide_factors). pytorch#162338 (open) reports gloo summing
@@ -61,19 +61,18 @@ def parallelize(model: torch.nn.Module, cfg: StrategyConfig, world: World,
     return model
 
 
-def runs_in_lockstep(model: torch.nn.Module) -> bool:
+def runs_in_lockstep(model: torch.nn.Module, replicas: Replicas) -> bool:
     """Whether forwards and backwards are collectives: every rank must run as many as every
     other one, or the group hangs until its timeout."""
-    return (isinstance(model, (DistributedDataParallel, FSDPModule))
-            or replicas_of(model) is not None)
+    return isinstance(model, (DistributedDataParallel, FSDPModule)) or replicas.lockstep
 
 
-def gradient_sync(model: torch.nn.Module, enabled: bool) -> ContextManager:
+def gradient_sync(model: torch.nn.Module, replicas: Replicas,
+                  enabled: bool) -> ContextManager:
     """Around one micro-batch's forward and backward: whether its backward reduces gradients
     across ranks. Accumulating micro-batches only need the last one to, and that reduction
-    carries the sum of all of them."""
-    replicas = replicas_of(model)
-    if replicas is not None:
+    carries the sum of all of them (ddp_ft: `replicas` average it, with the other groups)."""
+    if replicas.lockstep:
         return replicas.averaging() if enabled else nullcontext()
     if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()

@@ -20,7 +20,7 @@ import statistics
 import sys
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, FrozenSet, Iterable, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,23 +36,36 @@ log = logging.getLogger(__name__)
 
 class HealthState:
     """What the health checks remember: the loss window behind the running median, and the
-    steps whose global batch is skipped. Saved in checkpoints."""
+    steps whose global batch is skipped (its one owner: only the methods below change it).
+    Saved in checkpoints."""
 
     def __init__(self, window: int) -> None:
         self.losses: Deque[float] = deque(maxlen=window)
-        self.skipped: Set[int] = set()
+        self._skipped: Set[int] = set()
+
+    @property
+    def skipped(self) -> FrozenSet[int]:
+        return frozenset(self._skipped)
+
+    def skip(self, steps: Iterable[int]) -> None:
+        """Skip these steps' global batches too: a union, as a rollback's skips are newer
+        than the checkpoint it rolls back to, and a restart's than the last checkpoint."""
+        self._skipped |= {int(s) for s in steps}
+
+    def agree(self, broadcast: Callable[[Any], Any]) -> None:
+        """Take rank 0's set (`broadcast`), so every rank skips the same global batches."""
+        self._skipped = {int(s) for s in broadcast(sorted(self._skipped))}
 
     # JSON strings, not lists: DCP loads only the keys the live state already has, so a
     # list longer in the checkpoint than in a fresh process would load truncated.
     def state_dict(self) -> Dict[str, Any]:
         return {"losses": json.dumps(list(self.losses)),
-                "skipped": json.dumps(sorted(self.skipped))}
+                "skipped": json.dumps(sorted(self._skipped))}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.losses.clear()
         self.losses.extend(float(x) for x in json.loads(state["losses"]))
-        # A union: a rollback's skips are newer than the checkpoint it rolls back to.
-        self.skipped |= {int(s) for s in json.loads(state["skipped"])}
+        self.skip(json.loads(state["skipped"]))
 
 
 class HealthMonitor:
@@ -67,8 +80,8 @@ class HealthMonitor:
         """Add the steps a rollback skipped after the last checkpoint (rank 0 wrote them),
         and take rank 0's set (`broadcast`), so every rank skips the same global batches."""
         if self.skips_file.exists():
-            self.state.skipped |= set(json.loads(self.skips_file.read_text())["skipped"])
-        self.state.skipped = set(broadcast(sorted(self.state.skipped)))
+            self.state.skip(json.loads(self.skips_file.read_text())["skipped"])
+        self.state.agree(broadcast)
 
     def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
                    stop_requested: bool = False) -> Tuple[Optional[str], bool]:
@@ -127,7 +140,7 @@ class HealthMonitor:
 
     def skip(self, step: int) -> None:
         """Skip `step`'s global batch from now on (and after any restart)."""
-        self.state.skipped.add(step)
+        self.state.skip([step])
         if self.rank == 0:
             try:
                 self.skips_file.parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -71,12 +70,6 @@ log = logging.getLogger(__name__)
 
 Split = Tuple[int, int]  # (this trainer's slot, the step's number of slots)
 
-# The model each trainer's replica set serves: how `train.learn.strategy` tells a model whose
-# gradients are averaged across replica groups (no wrapper, so state-dict keys stay plain).
-_REPLICAS: "weakref.WeakKeyDictionary[torch.nn.Module, FaultTolerantReplicas]" = \
-    weakref.WeakKeyDictionary()
-
-
 class StepNotCommitted(RuntimeError):
     """The replica groups did not commit this step (a peer failed during it): redo it."""
 
@@ -84,6 +77,10 @@ class StepNotCommitted(RuntimeError):
 class Replicas:
     """What the loop asks of the replica groups. This base, `NO_REPLICAS`, is every strategy
     but ddp_ft: one fixed world, nothing to agree on."""
+
+    # Whether the model's forwards and backwards are collectives across the groups: ddp_ft's
+    # model has no wrapper (so state-dict keys stay plain), and `train.learn.strategy` asks this.
+    lockstep = False
 
     def join(self, position: Position) -> Position:
         """Before the first step: where to start (a healthy peer's position, if it is ahead)."""
@@ -124,10 +121,6 @@ class Replicas:
 
 
 NO_REPLICAS = Replicas()
-
-
-def replicas_of(model: torch.nn.Module) -> Optional["FaultTolerantReplicas"]:
-    return _REPLICAS.get(model)
 
 
 def replica_dir(run_dir: Path, cfg: FaultToleranceConfig) -> Path:
@@ -275,6 +268,8 @@ class FaultTolerantReplicas(Replicas):
     it); `check_every`: compare parameters across the groups every this many steps (0:
     never)."""
 
+    lockstep = True
+
     def __init__(self, cfg: FaultToleranceConfig, world: World, device: torch.device,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, health: HealthState,
@@ -297,7 +292,6 @@ class FaultTolerantReplicas(Replicas):
         self._alone: Set[int] = set()  # steps trained alone, no other group taking part since
         self.degraded_seconds = self.heal_seconds = 0.0
         model.register_forward_pre_hook(self._count)
-        _REPLICAS[model] = self
 
     # -- the step's quorum ---------------------------------------------------------------
 
@@ -607,7 +601,7 @@ def connect(cfg: FaultToleranceConfig, world: World, device: torch.device,
             f"--bind HOST:PORT) or point strategy.fault_tolerance.lighthouse at it") from None
 
 
-def check_plan(grad_accum_steps: int, cfg: FaultToleranceConfig) -> None:
+def check_fault_tolerance(grad_accum_steps: int, cfg: FaultToleranceConfig) -> None:
     """ddp_ft's split is per step, not per micro-batch: the sample weighting is exact only
     with one micro-batch per step. And a quorum must be reachable at the planned width."""
     if cfg.min_replicas > cfg.replica_groups:  # no step would commit: each waits, times out

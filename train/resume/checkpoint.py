@@ -8,12 +8,12 @@ import re
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from checkpointing import plan
+from checkpointing import plan as intervals
 from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
 from checkpointing.manager import CheckpointManager, CheckpointOptions
@@ -99,22 +99,23 @@ class CheckpointSchedule:
 
     def saved(self, step: int, stall_seconds: float, save_seconds: float) -> None:
         """A save at `step` blocked the loop `stall_seconds`; the last finished one took
-        `save_seconds` in all (async: in the background). Re-plan from the medians."""
+        `save_seconds` in all (async: in the background). Pick the interval again from
+        the medians."""
         now = time.perf_counter()
         if self.auto and step > self.last_save_step:
             self.stalls.append(stall_seconds)
             self.saves.append(save_seconds)
             work = max(now - self.last_time - stall_seconds, 0.0)
             self.steps.append(work / (step - self.last_save_step))
-            self.replan()
+            self.repick_interval()
         self.last_save_step, self.last_time = step, now
 
-    def replan(self) -> None:
+    def repick_interval(self) -> None:
         """The exact model's optimum in steps, never shorter than a save takes to finish
         (one save at a time: a sooner one would wait for it, blocking the loop)."""
         stall, save, step = (statistics.median(m) for m in (self.stalls, self.saves, self.steps))
         step = max(step, 1e-9)
-        if why := plan.hopeless(save, self.mtbf_seconds):
+        if why := intervals.hopeless(save, self.mtbf_seconds):
             if not self.hopeless:  # once: it does not change from save to save
                 log.warning("checkpoint.auto_interval: %s (checkpoint.mtbf_hours=%g): keeping "
                             "%d steps; give the job's real MTBF, or make saves faster "
@@ -122,35 +123,71 @@ class CheckpointSchedule:
                             self.interval)
             self.hopeless = True
             return
-        optimum = plan.exact_optimum(max(stall, 1e-6), self.mtbf_seconds)
+        optimum = intervals.exact_optimum(max(stall, 1e-6), self.mtbf_seconds)
         pick = max(1, math.ceil(max(optimum, save) / step))
         # One step is the finest move there is: 1 <-> 2 is not worth a line at every save
         if abs(pick - self.interval) <= max(self.CHANGE * self.interval, 1):
             return
         self.interval = pick
-        goodput = plan.exact_goodput(pick * step, stall, self.restart_seconds, self.mtbf_seconds)
+        goodput = intervals.exact_goodput(pick * step, stall, self.restart_seconds,
+                                          self.mtbf_seconds)
         why = ("the save's own duration, above the optimum" if save > optimum else
                "the exact model's optimum")
         log.info("checkpoint interval: %d steps (%s of %.3fs steps), %s; median stall "
                  "%.3fs, save %.2fs, MTBF %s (checkpoint.mtbf_hours), restart %s (%s): "
-                 "expected goodput %.1f%% (Young: %d steps)", pick, plan.duration(pick * step),
-                 step, why, stall, save, plan.duration(self.mtbf_seconds),
-                 plan.duration(self.restart_seconds), self.restart_source, 100 * goodput,
-                 math.ceil(plan.young_interval(max(stall, 1e-6), self.mtbf_seconds) / step))
+                 "expected goodput %.1f%% (Young: %d steps)", pick,
+                 intervals.duration(pick * step), step, why, stall, save,
+                 intervals.duration(self.mtbf_seconds), intervals.duration(self.restart_seconds),
+                 self.restart_source, 100 * goodput,
+                 math.ceil(intervals.young_interval(max(stall, 1e-6), self.mtbf_seconds) / step))
 
 
 @dataclass(frozen=True)
 class Restored:
-    """What a load gave back: where the run is, and the world size that saved it."""
+    """What a load found: where the run is, the world size that saved it, and the saved run's
+    header (its MLflow run, config and name; the live one is never overwritten)."""
 
     position: Position
     saved_world_size: int
+    run: RunInfo
 
 
-class Checkpointer:
-    """The loop's handle on checkpoints: restores at start, saves when due (it decides),
-    rolls back, and reports what saving cost. `components` are the `Stateful` parts of a
-    checkpoint; the position is passed in at each save and handed back by each load."""
+class Checkpoints:
+    """What the loop asks of checkpointing. This base, `NO_CHECKPOINTS`, is
+    checkpoint.enabled=false: nothing is saved, so nothing restores or rolls back."""
+
+    saves = False  # whether a stop (preemption) leaves a checkpoint to resume from
+
+    def restore(self) -> Optional[Restored]:
+        """Before the first step: the newest complete checkpoint, loaded (None: step 0)."""
+        return None
+
+    def save(self, position: Position, last_step: bool = False) -> float:
+        """After each step: the seconds the loop was blocked saving (0.0: none was due)."""
+        return 0.0
+
+    def roll_back(self, at_most: Optional[int] = None) -> Optional[Restored]:
+        """The newest complete checkpoint (at step `at_most` or before), loaded (None: none)."""
+        return None
+
+    def metrics(self) -> Dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        """Wait until the last save is committed (raises if it failed)."""
+
+
+NO_CHECKPOINTS = Checkpoints()
+
+
+class RunCheckpoints(Checkpoints):
+    """This run's checkpoints, as the trainer sees them: restores at start, saves when due
+    (it decides), rolls back, and reports what saving cost; under it, `CheckpointManager`
+    (checkpointing/manager.py) writes, verifies and reads one state dict as a checkpoint. `components` are the
+    `Stateful` parts of a checkpoint; the position is passed in at each save and handed back
+    by each load."""
+
+    saves = True
 
     def __init__(self, cfg: DictConfig, manager: CheckpointManager,
                  components: Dict[str, Any], identity: DataIdentity, world_size: int,
@@ -158,10 +195,8 @@ class Checkpointer:
         self.cfg, self.manager, self.components = cfg, manager, components
         self.identity, self.world_size, self.faults = identity, world_size, faults
         self.schedule = CheckpointSchedule(cfg, start_step=0)
-        self.stall_seconds = 0.0  # the last save's, for the planner and the metrics
+        self.stall_seconds = 0.0  # the last save's, for the schedule and the metrics
         self._landing: Optional[tuple] = None  # (step, wall time begun) of the save in flight
-        # Complete checkpoints of this run whose state did not load into the live one
-        self._unfit: List[int] = []
         self._failures_seen = 0
 
     def restore(self) -> Optional[Restored]:
@@ -169,7 +204,7 @@ class Checkpointer:
         for a fresh start. Another run's checkpoint, or one whose identity keys changed,
         stops the run with a ConfigError."""
         ck, began = self.cfg.checkpoint, time.perf_counter()
-        exists, self._unfit = self.manager.has_any_checkpoint(), []
+        exists = self.manager.has_any_checkpoint()
         if ck.resume == ResumeMode.never:
             if exists:
                 raise ConfigError(f"checkpoint.dir {ck.dir} already holds checkpoints and "
@@ -178,15 +213,18 @@ class Checkpointer:
             return None
         if exists:
             self.faults.at("load")
-        info: RunInfo = self.components["run"]
-        # The header loads partially: a checkpoint saved before run names were recorded
-        # keeps this one, and is judged by the identity keys alone.
-        current_config, info.run_name = dict(info.config), self.cfg.run.name
-        restored = self._load_newest(lambda: refuse_another_run(self.cfg, info, current_config))
+        current: RunInfo = self.components["run"]
+        header, unfit = replace(current, config=dict(current.config)), []
+
+        def this_run(step: int) -> None:
+            refuse_another_run(self.cfg, header, current.config)
+            unfit.append(step)  # until its state loads too
+
+        restored = self._load_newest(header, this_run)
         if restored is None:
-            if self._unfit:
-                raise unfit_checkpoints(self.cfg, self._unfit,
-                                        changed_keys(info.config, current_config))
+            if unfit:
+                raise unfit_checkpoints(self.cfg, unfit,
+                                        changed_keys(header.config, current.config))
             if exists:
                 raise ConfigError(f"{ck.dir} holds checkpoints but none is complete (see the "
                                   f"warnings above): remove them to start afresh, or point "
@@ -198,10 +236,9 @@ class Checkpointer:
         events.record("resume", step=restored.position.step,
                       seconds=time.perf_counter() - began)
         self.schedule.resumed(restored.position.step, time.perf_counter() - began)
-        changed = changed_keys(info.config, current_config)
+        changed = changed_keys(restored.run.config, current.config)
         if changed:
             log.warning("resuming with changed config keys: %s", ", ".join(changed))
-        info.config, info.run_name = current_config, self.cfg.run.name
         return restored
 
     def save(self, position: Position, last_step: bool = False) -> float:
@@ -227,41 +264,34 @@ class Checkpointer:
         into the live state (None: there is none)."""
         self.manager.wait()  # a save in flight holds a good, newer state: let it land
         self._record_landed()
-        return self._load_newest(at_most=at_most)
+        current: RunInfo = self.components["run"]
+        return self._load_newest(replace(current, config=dict(current.config)),
+                                 at_most=at_most)
 
-    def _load_newest(self, check_run: Callable[[], None] = lambda: None,
+    def _load_newest(self, header: RunInfo, check_run: Callable[[int], None] = lambda step: None,
                      at_most: Optional[int] = None) -> Optional[Restored]:
-        """Try complete checkpoints newest first (none after step `at_most`): the run header
-        loads first (partially: a checkpoint older than a header key keeps the live value)
-        and `check_run` may refuse it; then everything else."""
-        for step, saved_world in self.manager.complete_checkpoints():
-            if at_most is not None and step > at_most:
-                continue
-            began = time.perf_counter()
-            if not self.manager.load(step, {"run": self.components["run"]}, partial=True):
-                continue
-            check_run()
-            resized = saved_world != self.world_size  # per-rank RNG streams no longer map
-            rest = {k: v for k, v in self.components.items()
-                    if k != "run" and not (resized and k == "rng")}
-            loaded = {**rest, **position_state(Position(), self.identity)}
-            if not self.manager.load(step, loaded):
-                self._unfit.append(step)
-                continue
-            self.faults.at("loaded", state=loaded)
-            position = read_position(loaded, self.identity)
-            try:
-                check_step(step_dir_name(step), position.step, step)
-            except ClaimMismatch as err:
-                raise ConfigError(str(err)) from None
-            if resized and "rng" in self.components:
-                self.components["rng"].rederive(self.cfg.seed, step)
-            self.schedule.last_save_step = step
-            log.info("resumed from %s (step %d, saved at world size %d) in %.1fs",
-                     self.manager.remote.url_of(step_dir_name(step)), step, saved_world,
-                     time.perf_counter() - began)
-            return Restored(position, saved_world)
-        return None
+        """The manager's newest complete checkpoint that loads (none after step `at_most`):
+        the run header first, into `header` (partially: a checkpoint older than a header key
+        keeps the value it holds), which `check_run` may refuse; then everything else but
+        the live run header."""
+        rest = {k: v for k, v in self.components.items() if k != "run"}
+        loaded = {**rest, **position_state(Position(), self.identity)}
+        found = self.manager.load_latest(
+            loaded, lambda saved_world: ["rng"] if saved_world != self.world_size else [],
+            header={"run": header}, check=check_run, at_most=at_most)
+        if found is None:
+            return None
+        self.faults.at("loaded", state=loaded)
+        position = read_position(loaded, self.identity)
+        try:
+            check_step(step_dir_name(found.step), position.step, found.step)
+        except ClaimMismatch as err:
+            raise ConfigError(str(err)) from None
+        if found.world_size != self.world_size and "rng" in self.components:
+            # per-rank RNG streams no longer map onto ranks
+            self.components["rng"].rederive(self.cfg.seed, found.step)
+        self.schedule.last_save_step = found.step
+        return Restored(position, found.world_size, header)
 
     def metrics(self) -> Dict[str, float]:
         return {"checkpoint/save_seconds": self.manager.last_save_seconds,
