@@ -4,12 +4,14 @@ pickles, retention. (Killed-process tests are in test_resume.py.)"""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
 import os
 import shutil
 import time
+import zipfile
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from checkpointing import commit, verify
+from checkpointing.archive import no_crc32, tensor_archive
 from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
+from checkpointing.safe_load import load_metadata
 from checkpointing.staging import WarmStager
 from checkpointing.storage import Store
 from checkpointing.writer import Writer
@@ -482,6 +486,63 @@ def test_odd_tensors_round_trip_bit_exact(tmp_path, kind, mode, format):
     for k, v in tensors.items():
         assert torch.equal(_bits(loaded[k]), _bits(v)), k
         assert format != "dcp" or torch.equal(_bits(stock[k]), _bits(v)), k
+
+
+def test_each_tensor_record_is_the_archive_torch_save_writes(tmp_path, monkeypatch):
+    """The writer frames each tensor's bytes itself (checkpointing.archive) rather than
+    calling torch.save per tensor on every save: its records must be, byte for byte, the
+    archives torch.save writes (CRC32s off) for the tensor as stored (a plain contiguous
+    copy; a quantized one through torch.save itself), zip files that torch.load reads back;
+    and a later save of tensors of the same dtypes and shapes calls torch.save for none."""
+    tensors = {f"{kind}/{k}": v for kind, make in sorted(ODD_TENSORS.items())
+               for k, v in make().items()}
+    saved: list = []
+    save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, *a, **kw: (
+        saved.append(obj) if isinstance(obj, torch.Tensor) else None, save(obj, *a, **kw))[1])
+    mgr = manager(tmp_path / "ckpt", async_mode="off")
+    mgr.save(1, {"s": dict(tensors)})
+    saved.clear()
+    mgr.save(2, {"s": dict(tensors)})
+    mgr.close()
+    monkeypatch.undo()
+    assert [t.dtype for t in saved] == [torch.qint8], "only the quantized tensor is pickled"
+    step_dir = tmp_path / "ckpt" / "step_000000002"
+    with open(step_dir / ".metadata", "rb") as f:
+        metadata = load_metadata(f)
+    shard = (step_dir / "__0_0.distcp").read_bytes()
+    for key, tensor in tensors.items():
+        index = next(i for i in metadata.storage_data if i.fqn == f"s.{key}")
+        info = metadata.storage_data[index]
+        record = shard[info.offset:info.offset + info.length]
+        stored = tensor if tensor.is_quantized else (
+            tensor.resolve_conj().resolve_neg().contiguous().clone())
+        expected = io.BytesIO()
+        with no_crc32():
+            torch.save(stored, expected)
+        assert record == expected.getvalue(), key
+        with zipfile.ZipFile(io.BytesIO(record)) as archive:
+            assert archive.namelist()[0] == "archive/data.pkl", key
+        assert torch.equal(_bits(torch.load(io.BytesIO(record), weights_only=True)),
+                           _bits(tensor)), key
+
+
+def test_a_frame_past_4_gb_is_torch_s_zip64_archive(tmp_path):
+    """A tensor of 4 GB or more needs zip64 records, which the cached frame takes from
+    torch itself: stock zipfile and torch.load read the archive (its bytes a sparse hole
+    here, never allocated)."""
+    nbytes = (1 << 32) + 3
+    head, tail = tensor_archive(torch.uint8, (nbytes,))
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        f.write(head)
+        f.seek(nbytes - 1, os.SEEK_CUR)
+        f.write(b"\x07")
+        f.write(tail)
+    with zipfile.ZipFile(path) as archive:
+        assert archive.getinfo("archive/data/0").file_size == nbytes
+    loaded = torch.load(path, mmap=True, weights_only=True)
+    assert loaded.shape == (nbytes,) and loaded[-1] == 7 and loaded[0] == 0
 
 
 def test_dcp_s_own_writer_s_strided_records_load_bit_exact(tmp_path, monkeypatch):
