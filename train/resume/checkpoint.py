@@ -20,6 +20,7 @@ from checkpointing.manager import CheckpointManager, CheckpointOptions, PendingS
 from common.redact import strip_credentials
 from train.records import events
 from train.config import ResumeMode, changes_training
+from train.cluster.rank_dirs import RunPaths
 from train.cluster.world import World
 from train.errors import ConfigError
 from train.faults import NO_FAULTS, FaultHook
@@ -40,13 +41,13 @@ def training_config(cfg: DictConfig) -> Dict[str, str]:
     return {k: v for k, v in flat.items() if changes_training(k, cfg.run.exclude_keys)}
 
 
-def build_manager(cfg: DictConfig, world: World,
+def build_manager(cfg: DictConfig, paths: RunPaths, world: World,
                   faults: FaultHook = NO_FAULTS) -> Optional[CheckpointManager]:
     ck = cfg.checkpoint
     if not ck.enabled:
         return None
     try:
-        options = CheckpointOptions(dir=ck.dir, staging_dir=ck.staging_dir,
+        options = CheckpointOptions(dir=paths.checkpoint_dir, staging_dir=paths.staging_dir,
                                     async_mode=ck.async_mode.value, keep_last=ck.keep_last,
                                     commit_timeout_s=ck.commit_timeout_s,
                                     storage_options=OmegaConf.to_container(
@@ -206,10 +207,11 @@ class RunCheckpoints(Checkpoints):
         for a fresh start. Another run's checkpoint, or one whose identity keys changed,
         stops the run with a ConfigError."""
         ck, began = self.cfg.checkpoint, time.perf_counter()
+        where = self.manager.options.dir
         exists = self.manager.has_any_checkpoint()
         if ck.resume == ResumeMode.never:
             if exists:
-                raise ConfigError(f"checkpoint.dir {ck.dir} already holds checkpoints and "
+                raise ConfigError(f"checkpoint.dir {where} already holds checkpoints and "
                                   f"checkpoint.resume=never: pick another run.name, or "
                                   f"checkpoint.resume=auto to continue that run")
             return None
@@ -219,20 +221,20 @@ class RunCheckpoints(Checkpoints):
         header, unfit = replace(current, config=dict(current.config)), []
 
         def this_run(step: int) -> None:
-            refuse_another_run(self.cfg, header, current.config)
+            refuse_another_run(self.cfg, where, header, current.config)
             unfit.append(step)  # until its state loads too
 
         restored = self._load_newest(header, this_run)
         if restored is None:
             if unfit:
-                raise unfit_checkpoints(self.cfg, unfit,
+                raise unfit_checkpoints(self.cfg, where, unfit,
                                         changed_keys(header.config, current.config))
             if exists:
-                raise ConfigError(f"{ck.dir} holds checkpoints but none is complete (see the "
+                raise ConfigError(f"{where} holds checkpoints but none is complete (see the "
                                   f"warnings above): remove them to start afresh, or point "
                                   f"checkpoint.dir at a good copy")
             if ck.resume == ResumeMode.required:
-                raise ConfigError(f"checkpoint.resume=required but {ck.dir} holds no "
+                raise ConfigError(f"checkpoint.resume=required but {where} holds no "
                                   f"checkpoint: check run.name / checkpoint.dir")
             return None
         events.record("resume", step=restored.position.step,
@@ -333,11 +335,13 @@ class RunCheckpoints(Checkpoints):
             events.record("save_failed", step=landed.step, error=landed.error[:300])
 
 
-def refuse_another_run(cfg: DictConfig, saved: RunInfo, current_config: Dict[str, str]) -> None:
-    """Raise when the checkpoint whose header is in `saved` belongs to another run."""
+def refuse_another_run(cfg: DictConfig, where: str, saved: RunInfo,
+                       current_config: Dict[str, str]) -> None:
+    """Raise when the checkpoint in `where` whose header is in `saved` belongs to another
+    run."""
     if saved.run_name not in (None, cfg.run.name):
         raise ConfigError(
-            f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints of another run "
+            f"checkpoint.dir {where} holds checkpoints of another run "
             f"({saved.run_name[:200]!r}), not of this run ({cfg.run.name}): give every run "
             f"a checkpoint.dir of its own, e.g. checkpoint.dir=/some/dir/${{run.name}} (the "
             f"default is ${{run.root}}/${{run.name}}/checkpoints), or run.name= that run's "
@@ -358,10 +362,11 @@ def _typed(value: Optional[str]) -> str:
     return re.sub(r"^[A-Z][A-Za-z]*\.(\w+)$", r"\1", text)
 
 
-def unfit_checkpoints(cfg: DictConfig, steps: List[int], changed: List[str]) -> ConfigError:
-    """Complete, verified checkpoints of this run that do not load into its state: the
-    config changed under them (never a reason to delete them)."""
-    where = strip_credentials(str(cfg.checkpoint.dir))
+def unfit_checkpoints(cfg: DictConfig, checkpoint_dir: str, steps: List[int],
+                      changed: List[str]) -> ConfigError:
+    """Complete, verified checkpoints of this run in `checkpoint_dir` that do not load into
+    its state: the config changed under them (never a reason to delete them)."""
+    where = strip_credentials(checkpoint_dir)
     what = (f"config keys changed since they were saved: {', '.join(changed)[:300]}: set "
             f"them back, or use a new run.name (the checkpoints are intact: keep them)"
             if changed else
