@@ -210,7 +210,7 @@ def save_back_to_back(manager: CheckpointManager, step: int, state: Dict[str, An
     still in flight: the loop waits for it, and the stall must say so."""
     manager.save(step, state)
     start = time.perf_counter()
-    reported = manager.save(step + 1, state)
+    reported = manager.save(step + 1, state).stall_seconds
     blocked = time.perf_counter() - start
     if not manager.wait():
         raise RuntimeError("a back-to-back save failed: see the log above")
@@ -255,7 +255,7 @@ def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
         for key, manager in managers.items():
             step += 3
             start, cpu = time.perf_counter(), time.process_time()
-            reported = manager.save(step, state)
+            reported = manager.save(step, state).stall_seconds
             blocked = time.perf_counter() - start
             if not manager.wait():
                 raise RuntimeError(f"the {LABELS[key]} save failed: see the log above")

@@ -130,7 +130,7 @@ def bare_loop(steps: int, warmup: int, run_root: Path) -> float:
     """The loop a tutorial writes: nothing but the step, torch's default settings."""
     cfg = compose_config([*EXPERIMENT, f"run.root={run_root}"])
     torch.manual_seed(cfg.seed)
-    train_set, _ = build_datasets(cfg.data, cfg.seed)
+    train_set, _ = build_datasets(cfg.data, cfg.seed, cfg.data.cache_dir)
     plan = BatchPlan(len(train_set), cfg.data.global_batch_size, 1, 1)
     loader = build_loader(train_set, GlobalBatchSampler(plan, cfg.seed, 0, 0, 0), cfg.data,
                           pin_memory=False)

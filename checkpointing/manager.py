@@ -1,4 +1,4 @@
-"""CheckpointManager: `save(step, state)`, `wait()`, `load_latest(state)`.
+"""CheckpointManager: `save(step, state)` -> `PendingSave`, `wait()`, `load_latest(state)`.
 
 A save blocks the training loop only while the state is staged: one copy into CPU buffers
 allocated at the first save and reused (so parameters, BatchNorm buffers and optimizer state
@@ -139,6 +139,46 @@ class Loaded(NamedTuple):
     world_size: int
 
 
+@dataclass(frozen=True)
+class SaveResult:
+    """How one save ended: committed, in `seconds` from `save` to the commit, or failed
+    with `error` (one line) saying why."""
+
+    step: int
+    committed: bool
+    seconds: float = 0.0
+    error: str = ""
+
+
+class PendingSave:
+    """One save, as `CheckpointManager.save` hands it back: its step, the seconds the caller
+    was blocked, and once it landed its `SaveResult`. A save that commits lands from the
+    thread that commits it; one that fails lands in the manager's next `wait()` (the next
+    save, a `wait`, `close`), which cleans up after it and says why. Each save has its own,
+    so its outcome is never another save's."""
+
+    def __init__(self, step: int, wait: Callable[[], bool]) -> None:
+        self.step = step
+        self.stall_seconds = 0.0  # set before `save` returns it
+        self._wait = wait
+        self._landed = threading.Event()
+        self._result: Optional[SaveResult] = None
+
+    def done(self) -> bool:
+        """Whether it landed (committed or failed); never blocks."""
+        return self._landed.is_set()
+
+    def result(self) -> SaveResult:
+        """How it ended, waiting (on the manager's in-flight save) until it has."""
+        if not self._landed.is_set():
+            self._wait()
+        return self._result
+
+    def _land(self, result: SaveResult) -> None:
+        self._result = result
+        self._landed.set()
+
+
 class CheckpointManager:
     def __init__(self, options: CheckpointOptions, rank: int = 0, world_size: int = 1,
                  process_group: Optional[dist.ProcessGroup] = None,
@@ -158,13 +198,11 @@ class CheckpointManager:
         self._pending: Optional[threading.Thread] = None
         # the failure of the last save and the directory it was writing to
         self._pending_error: Optional[Tuple[BaseException, str]] = None
-        self._pending_step = -1
+        self._in_flight: Optional[PendingSave] = None  # the newest save begun
         self._pending_planner: Optional[DefaultSavePlanner] = None
-        self.last_failure = ""  # why the last failed save failed (one line)
-        self.last_complete_step: Optional[int] = None
-        self.failed_saves = 0
+        # for the error lines: the newest step committed or loaded by this process
+        self._newest_complete: Optional[int] = None
         self._verified: set = set()  # (store url, step) whose checksums were verified
-        self.last_save_seconds = 0.0  # how long the last save took to commit
         self.failed_uploads = 0  # in a row, to an object store that is unreachable
         self._stager = WarmStager(share_memory=options.async_mode == "process")
 
@@ -208,11 +246,12 @@ class CheckpointManager:
 
     # ---- save ----
 
-    def save(self, step: int, state: Dict[str, Any]) -> float:
+    def save(self, step: int, state: Dict[str, Any]) -> PendingSave:
         """Snapshot `state` (Stateful objects and tensors) as checkpoint `step`.
 
-        Returns once the snapshot is staged (the rest happens in the background), with the
-        seconds the caller was blocked, waiting for the previous save included.
+        Returns once the snapshot is staged (the rest happens in the background): the save's
+        handle, with the seconds the caller was blocked, waiting for the previous save
+        included, and later how the save ended.
         """
         start = time.perf_counter()
         self.wait()
@@ -221,16 +260,19 @@ class CheckpointManager:
         target.mkdir(parents=True, exist_ok=True)
         writer = Writer(str(target), self.rank, raw=self.options.format == "raw")
         planner = DefaultSavePlanner()
-        self._pending_step, self._pending_planner = step, planner
+        handle = PendingSave(step, self.wait)
+        self._pending_planner = planner
         if self.options.async_mode == "off":
+            self._in_flight = handle
             # A failure is reported like a background one: by the next wait() or close().
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, **self._dcp_kwargs())
             except (Exception, CheckpointException) as err:  # the latter is a BaseException
                 self._pending_error = (err, str(target.parent))
-                return time.perf_counter() - start
-            self._commit_or_record(step, target, start)
-            return time.perf_counter() - start
+            else:
+                self._commit_or_record(handle, target, start)
+            handle.stall_seconds = time.perf_counter() - start
+            return handle
         kind = (AsyncCheckpointerType.PROCESS if self.options.async_mode == "process"
                 else AsyncCheckpointerType.THREAD)
         with (stop_signals_kept_from_helpers() if kind == AsyncCheckpointerType.PROCESS
@@ -238,25 +280,27 @@ class CheckpointManager:
             future = dcp.async_save(state, storage_writer=writer, planner=planner,
                                     async_stager=self._stager, async_checkpointer_type=kind,
                                     **self._dcp_kwargs())
-        stall = time.perf_counter() - start
+        handle.stall_seconds = time.perf_counter() - start
+        self._in_flight = handle
         self._pending = threading.Thread(target=self._finish_in_background,
-                                         args=(future, step, target, start),
+                                         args=(future, handle, target, start),
                                          name=f"checkpoint-{step}", daemon=True)
         self._pending.start()
-        return stall
+        return handle
 
-    def _finish_in_background(self, future: Future, step: int, target: Path,
+    def _finish_in_background(self, future: Future, handle: PendingSave, target: Path,
                               start: float) -> None:
         try:
             future.result()
         except BaseException as err:  # reported by wait(); never silently lost
             self._pending_error = (err, str(target.parent))
             return
-        self._commit_or_record(step, target, start)
+        self._commit_or_record(handle, target, start)
 
-    def _commit_or_record(self, step: int, target: Path, start: float) -> None:
+    def _commit_or_record(self, handle: PendingSave, target: Path, start: float) -> None:
         try:
-            self._commit(step, target, start)
+            self._commit(handle.step, target)
+            handle._land(SaveResult(handle.step, True, seconds=time.perf_counter() - start))
         except BaseException as err:  # the upload and markers go to checkpoint.dir
             self._pending_error = (err, self.remote.url)
 
@@ -267,7 +311,7 @@ class CheckpointManager:
             return commit.partial_dir_name(step, self.attempt)
         return commit.step_dir_name(step)
 
-    def _commit(self, step: int, target: Path, start: float) -> None:
+    def _commit(self, step: int, target: Path) -> None:
         """Upload this rank's files, write its marker; rank 0 renames once all are in."""
         self.fault_hook("written", step)
         partial = commit.partial_dir_name(step, self.attempt)
@@ -299,8 +343,7 @@ class CheckpointManager:
             self.apply_retention(step)
         elif self.local and self.local_rank == 0:
             self._clean_local_partials(step)
-        self.last_complete_step = step
-        self.last_save_seconds = time.perf_counter() - start
+        self._newest_complete = step
 
     def _trust_what_was_written(self, step: int) -> None:
         """Where DCP wrote, every rank's checksums came from the bytes as they were written
@@ -381,29 +424,31 @@ class CheckpointManager:
                 self.local.remove(self.local.path(name))
 
     def wait(self, report: bool = True) -> bool:
-        """Block until the in-flight save (if any) is committed. False if it failed: then
-        `last_failure` says why, and with `report` one error line does too."""
+        """Block until the in-flight save (if any) has landed. False if it failed: then its
+        `PendingSave` says why, and with `report` one error line does too."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
         failure, self._pending_error = self._pending_error, None
         if failure is None:
             return True
-        self.failed_saves += 1
-        error, where = failure
+        handle, (error, where) = self._in_flight, failure
+        step = handle.step
         if where == self.remote.url and not self.remote.is_local:
-            self._discard(self._pending_step, uploading=True)
-            self.last_failure = one_line(dcp_cause(error))
+            self._discard(step, uploading=True)
+            handle._land(SaveResult(step, False, error=one_line(dcp_cause(error))))
             self._report_failed_upload(report)
             return False
         full = _free_bytes(where) < max(self._checkpoint_bytes(), CHUNK)  # before _discard
-        self._discard(self._pending_step)
-        self.last_failure = self._describe(error, where, full)
+        self._discard(step)
+        handle._land(SaveResult(step, False, error=self._describe(error, where, full)))
         if report:
             log.error("checkpoint at step %d failed: %s (the newest complete one is %s)",
-                      self._pending_step, self.last_failure,
-                      self.last_complete_step if self.last_complete_step is not None else "none")
+                      step, handle.result().error, self._newest_or_none())
         return False
+
+    def _newest_or_none(self) -> Any:
+        return self._newest_complete if self._newest_complete is not None else "none"
 
     def _report_failed_upload(self, report: bool) -> None:
         """An object store that fails (gone, unreachable, refusing) stops no training: one
@@ -412,13 +457,11 @@ class CheckpointManager:
         if report and self.failed_uploads == 1:
             log.warning("checkpoint at step %d could not be uploaded to checkpoint.dir %s (%s): "
                         "training goes on, and each next checkpoint tries the upload again "
-                        "(the newest complete one is %s)", self._pending_step, self.remote.url,
-                        self.last_failure,
-                        self.last_complete_step if self.last_complete_step is not None
-                        else "none")
+                        "(the newest complete one is %s)", self._in_flight.step, self.remote.url,
+                        self._in_flight.result().error, self._newest_or_none())
         elif report:
             log.info("checkpoint at step %d could not be uploaded either (%s)",
-                     self._pending_step, self.last_failure)
+                     self._in_flight.step, self._in_flight.result().error)
 
     def _discard(self, step: int, uploading: bool = False) -> None:
         """Remove a failed save's partial directory now: on a full disk it holds the room
@@ -481,8 +524,8 @@ class CheckpointManager:
             if self.rank != 0 and self.local_rank == 0:
                 self._clean_local_partials()
         if not ok:
-            raise CheckpointError(f"the final checkpoint (step {self._pending_step}) failed: "
-                                  f"{self.last_failure}")
+            raise CheckpointError(f"the final checkpoint (step {self._in_flight.step}) failed: "
+                                  f"{self._in_flight.result().error}")
 
     # ---- retention ----
 
@@ -549,7 +592,7 @@ class CheckpointManager:
             log.warning("checkpoint %s failed to load (%s): skipping it", source,
                         one_line(dcp_cause(err)))
             return False
-        self.last_complete_step = step
+        self._newest_complete = step
         return True
 
     def load_latest(self, state: Dict[str, Any],

@@ -61,19 +61,20 @@ def generate_synthetic(syn: DictConfig) -> None:
                            progress=update)
 
 
-def open_cache(cfg: DictConfig) -> Optional[NodeCache]:
-    """The node cache for `data.root`, or None: with `data.cache=auto` a root on this node's
-    local disk is read in place (copying it would only double its disk use)."""
-    if cfg.cache_dir is None or not wants_cache(CacheUse(cfg.cache), str(cfg.root)):
+def open_cache(cfg: DictConfig, cache_dir: Optional[str]) -> Optional[NodeCache]:
+    """The node cache for `data.root` in `cache_dir` (this node's `data.cache_dir`), or
+    None: with `data.cache=auto` a root on this node's local disk is read in place (copying
+    it would only double its disk use)."""
+    if cache_dir is None or not wants_cache(CacheUse(cfg.cache), str(cfg.root)):
         return None
     if cfg.cache_limit_gb <= 0:
         raise DatasetError(f"data.cache_limit_gb={cfg.cache_limit_gb} must be > 0: set a byte "
                            f"budget, or data.cache_dir=null to read without a cache")
-    warn_unless_local(cfg.cache_dir)
+    warn_unless_local(cache_dir)
     try:
-        return NodeCache(Path(cfg.cache_dir), int(cfg.cache_limit_gb * GB))
+        return NodeCache(Path(cache_dir), int(cfg.cache_limit_gb * GB))
     except OSError as err:
-        raise DatasetError(f"cannot use data.cache_dir={cfg.cache_dir} ({err.strerror}): "
+        raise DatasetError(f"cannot use data.cache_dir={cache_dir} ({err.strerror}): "
                            f"point it at a writable local disk, or set data.cache_dir=null"
                            ) from None
 
@@ -100,11 +101,12 @@ def warn_unless_local(cache_dir: str) -> None:
                     "data.cache_dir at local disk (NVMe)", cache_dir, where.describe())
 
 
-def build_datasets(cfg: DictConfig, seed: int
+def build_datasets(cfg: DictConfig, seed: int, cache_dir: Optional[str]
                    ) -> Tuple[JpegFolderDataset, JpegFolderDataset]:
-    """(train, val) datasets over `data.root`, sharing one node cache."""
+    """(train, val) datasets over `data.root`, sharing one node cache in `cache_dir` (this
+    node's `data.cache_dir`; None: none)."""
     volume = prepare_root(cfg)
-    cache = open_cache(cfg)
+    cache = open_cache(cfg, cache_dir)
     common = dict(on_bad_file=cfg.on_bad_file, reindex=cfg.reindex,
                   max_pixels=cfg.max_image_pixels)
     train = open_dataset(volume, "train", cache, cfg.image_size, train=True, seed=seed,

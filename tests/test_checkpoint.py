@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 import zipfile
 
@@ -31,7 +32,11 @@ from support.checkpoints import flip_byte
 from support.tiny_job import (Job, Payload, load_into_fresh, manager, rewrite_marker, same,
                               two_checkpoints, with_planted_step)
 from support.logs import our_records
+from support.runs import compose_config
 from support.worlds import one_rank_world  # noqa: F401  (a fixture)
+from train.records import events
+from train.resume.checkpoint import RunCheckpoints
+from train.resume.stateful import DataIdentity, Position, RunInfo
 
 
 @pytest.mark.parametrize("mode", ["off", "thread"])
@@ -370,10 +375,10 @@ def test_a_failed_save_never_pushes_out_a_good_checkpoint(tmp_path, caplog):
     mgr = CheckpointManager(CheckpointOptions(dir=str(root), keep_last=2), fault_hook=fail_third)
     for step in (1, 2):
         mgr.save(step, job.state())
-    mgr.save(3, job.state())
+    third = mgr.save(3, job.state())
     with caplog.at_level(logging.ERROR):
         assert mgr.wait() is False
-    assert "No space left on device" in caplog.text and mgr.failed_saves == 1
+    assert "No space left on device" in caplog.text and not third.result().committed
     assert [s for s, _ in commit.find_complete(Store(str(root)))] == [2, 1]
     mgr.save(4, job.state())
     mgr.close()
@@ -382,6 +387,55 @@ def test_a_failed_save_never_pushes_out_a_good_checkpoint(tmp_path, caplog):
     mgr.save(6, job.state())  # the final save fails: close() must say so
     with pytest.raises(CheckpointError, match="final checkpoint"):
         mgr.close()
+
+
+class LookedAt(CheckpointManager):
+    """A manager whose background commit hands `look` a turn after each attribute it writes:
+    every moment at which the trainer's per-step poll could see it half-way."""
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if threading.current_thread() is not threading.main_thread():
+            self.__dict__.get("look", lambda: None)()
+
+
+def test_each_save_is_recorded_with_its_own_duration(tmp_path):
+    """The trainer polls the save in flight at each step. A poll while the background commit
+    is half-way once took that save's step from the manager and its duration from the one
+    before (the manager set the step first): a `save_committed` off by a whole save."""
+    cfg = compose_config(["+experiment=resnet", "logger=none", "checkpoint.interval_steps=2",
+                          f"checkpoint.dir={tmp_path / 'ck'}"])
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_second(phase: str, step: int) -> None:
+        if phase == "committing" and step == 4:
+            held.set()
+            release.wait(60)
+
+    mgr = LookedAt(CheckpointOptions(dir=str(tmp_path / "ck"), async_mode="thread"),
+                   fault_hook=hold_the_second)
+    checkpoints = RunCheckpoints(cfg, mgr, {"run": RunInfo(None, {})}, DataIdentity(0, 1, 1),
+                                 world_size=1)
+    events.open_timeline(tmp_path, rank=0, world_size=1, started_at=time.time())
+    try:
+        checkpoints.save(Position(step=2))
+        checkpoints.save(Position(step=4))  # records step 2's, which it waited for
+        assert held.wait(60)
+        first = next(e["seconds"] for e in events.read_events(tmp_path / "events.jsonl").events
+                     if e.kind == "save_committed")
+        mgr.look = lambda: checkpoints.save(Position(step=4))  # a poll: no save is due
+        began = time.perf_counter()
+        threading.Event().wait(first + 0.05)  # the second save takes longer than the first
+        held_for = time.perf_counter() - began
+        release.set()
+        checkpoints.close()
+    finally:
+        release.set()
+        events.close()
+    committed = {e["step"]: e["seconds"] for e in
+                 events.read_events(tmp_path / "events.jsonl").events
+                 if e.kind == "save_committed"}
+    assert committed[2] == first and committed[4] >= held_for > first
 
 
 def test_options_are_validated():

@@ -53,7 +53,7 @@ def test_every_config_composes(override):
 def test_every_experiment_builds_its_model_and_data(experiment, tiny_root, tmp_path):
     cfg = compose_config([f"+experiment={experiment}", *tiny_overrides(tiny_root),
                           f"data.cache_dir={tmp_path / 'cache'}"])
-    train_set, _ = build_datasets(cfg.data, cfg.seed)
+    train_set, _ = build_datasets(cfg.data, cfg.seed, cfg.data.cache_dir)
     plan = BatchPlan(len(train_set), cfg.data.global_batch_size)
     loader = build_loader(train_set, GlobalBatchSampler(plan, cfg.seed), cfg.data, False)
     batch = next(iter(loader))

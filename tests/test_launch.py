@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 
 from checkpointing import commit
 from checkpointing.storage import Store
@@ -22,7 +23,8 @@ from support.launch import (PYTHON, finish, free_port, launch, run_job, torchrun
                             worker_pids)
 from support.ledger import assert_resumed, ledger_records
 from support.runs import FINAL, compose_config, train_args
-from train.cluster.rank_dirs import LAUNCH_ID, mark_latest_record
+from train.cluster.rank_dirs import LAUNCH_ID, RunPaths, mark_latest_record, run_paths
+from train.tracking.tracker import mlflow_params
 
 
 @pytest.mark.parametrize("rank, record, job", [("0", True, "train"),
@@ -70,6 +72,24 @@ def test_two_agents_on_one_machine_share_a_run_dir_as_two_nodes(tiny_root, tmp_p
     assert contents.pop("run.run_name") == run_dir.name  # the reference is run r
     assert_same_contents(contents, {k: v for k, v in ddp_reference["contents"].items()
                                     if k != "run.run_name"})
+
+
+def test_each_process_paths_are_one_value_and_the_config_stays_as_composed(tmp_path):
+    """A replica group's and a node's own directories are decided once, as a value (they
+    were written into the config, so `checkpoint.dir` meant the typed one before and the
+    replica's after); MLflow records the paths the process uses."""
+    cfg = compose_config(["+experiment=resnet", f"run.root={tmp_path}", "run.name=r",
+                          f"checkpoint.dir={tmp_path}/ck/", f"data.cache_dir={tmp_path}/cache",
+                          f"checkpoint.staging_dir={tmp_path}/stage"])
+    composed = OmegaConf.to_yaml(cfg)
+    paths = run_paths(cfg, replica_id=1, node_rank=2)
+    assert paths == RunPaths(tmp_path / "r" / "replica_1", f"{tmp_path}/ck/replica_1",
+                             f"{tmp_path}/stage/replica_1/node_2", f"{tmp_path}/cache/node_2")
+    assert run_paths(cfg, 1, node_rank=None).cache_dir == f"{tmp_path}/cache"
+    params = mlflow_params(paths.applied_to(cfg))
+    assert [params[k] for k in ("checkpoint.dir", "checkpoint.staging_dir", "data.cache_dir")
+            ] == [paths.checkpoint_dir, paths.staging_dir, paths.cache_dir]
+    assert OmegaConf.to_yaml(cfg) == composed
 
 
 def test_a_sweep_under_torchrun_is_refused(tiny_root, tmp_path):

@@ -8,6 +8,7 @@ from support.launch import run_train
 from support.runs import compose_config, tiny_overrides
 from train.resume.checkpoint import RunCheckpoints, build_manager, training_config
 from train.config import DEFAULT_RUN_NAME_EXCLUDES, default_run_name
+from train.cluster.rank_dirs import run_paths
 from train.cluster.world import World
 from train.errors import ConfigError
 from train.resume.stateful import DataIdentity, Position, RunInfo
@@ -139,7 +140,7 @@ def checkpoints_of(tmp_path, run_name, *overrides, save_with=RunInfo):
     world = World(rank=0, world_size=1, local_rank=0, control_group=None)
     info = save_with(mlflow_run_id=f"mlflow-{run_name}", run_name=cfg.run.name,
                      config=training_config(cfg))
-    return info, RunCheckpoints(cfg, build_manager(cfg, world), {"run": info},
+    return info, RunCheckpoints(cfg, build_manager(cfg, run_paths(cfg, None, None), world), {"run": info},
                                 DataIdentity(0, 1, 1), world_size=1)
 
 

@@ -31,15 +31,14 @@ from train import job_start
 from train.records import events
 from train.resume.checkpoint import NO_CHECKPOINTS, RunCheckpoints, build_manager, training_config
 from train.config import Device, LoggerName, Precision, StrategyName
+from train.cluster.rank_dirs import RunPaths, run_paths
 from train.cluster.world import World, init_world, launched_by_torchrun, shutdown_world
 from train.errors import (EXIT_CONFIG, EXIT_PREEMPTED, EXIT_PREFLIGHT, ConfigError,
                           PreflightError, TrainingError)
 from train.faults import FaultHook, Faults
-from train.recovery.replicas import (NO_REPLICAS, FaultTolerantReplicas, check_fault_tolerance,
-                                     replica_dir)
+from train.recovery.replicas import NO_REPLICAS, FaultTolerantReplicas, check_fault_tolerance
 from train.records.goodput import Goodput
 from train.recovery.health import HealthMonitor, HealthState, Watchdog
-from train.cluster.rank_dirs import replica_dir_name, use_node_local_dirs
 from train.loop import Job, Learner, LoopSettings, RunServices, evaluate, training_loop
 from train.learn.model import build_model
 from train.learn.optim import build_optimizer, build_scheduler
@@ -76,8 +75,6 @@ def run_process(cfg: DictConfig) -> Dict[str, float]:
     """This process's part of the run: device, seeds, stop signals, process groups and the
     run lock around the job."""
     OmegaConf.resolve(cfg)  # fixes run.name now, while Hydra's runtime is known
-    if cfg.strategy.name == StrategyName.ddp_ft:
-        give_replica_group_its_checkpoints(cfg)
     start = job_start()
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed, device, cfg.trainer.deterministic)
@@ -85,36 +82,19 @@ def run_process(cfg: DictConfig) -> Dict[str, float]:
         world = init_world(device, cfg.strategy.timeout_seconds,
                            cfg.strategy.init_timeout_seconds)
         try:
-            with hold_run_lock(run_dir_of(cfg), cfg.run.name, world):
-                use_node_local_dirs(cfg, world.node_rank if launched_by_torchrun() else None)
-                return run_job(cfg, world, device, start, preemption)
+            paths = run_paths(cfg, cfg.strategy.fault_tolerance.replica_id
+                              if cfg.strategy.name == StrategyName.ddp_ft else None,
+                              world.node_rank if launched_by_torchrun() else None)
+            with hold_run_lock(paths.run_dir, cfg.run.name, world):
+                return run_job(cfg, paths, world, device, start, preemption)
         finally:
             shutdown_world()
 
 
-def run_dir_of(cfg: DictConfig) -> Path:
-    """Where this process keeps the run's lock, timeline, goodput and health files: the run's
-    directory, or under ddp_ft its replica group's own directory inside it."""
-    run_dir = Path(cfg.run.root) / cfg.run.name
-    if cfg.strategy.name == StrategyName.ddp_ft:
-        return replica_dir(run_dir, cfg.strategy.fault_tolerance)
-    return run_dir
-
-
-def give_replica_group_its_checkpoints(cfg: DictConfig) -> None:
-    """ddp_ft: every replica group checkpoints on its own, under `replica_<id>/` of
-    checkpoint.dir (and of the staging dir): groups never share a directory, so no group's
-    retention can take another's save in flight for a dead trainer's leftovers."""
-    ft = cfg.strategy.fault_tolerance
-    cfg.checkpoint.dir = f"{str(cfg.checkpoint.dir).rstrip('/')}/{replica_dir_name(ft.replica_id)}"
-    if cfg.checkpoint.staging_dir:
-        cfg.checkpoint.staging_dir = str(replica_dir(Path(cfg.checkpoint.staging_dir), ft))
-
-
-def run_job(cfg: DictConfig, world: World, device: torch.device,
+def run_job(cfg: DictConfig, paths: RunPaths, world: World, device: torch.device,
             start: float, preemption: PreemptionFlag) -> Dict[str, float]:
     """Build -> resume -> the loop under the tracker."""
-    run_dir = run_dir_of(cfg)
+    run_dir = paths.run_dir
     log.info("run %s in %s on %s (rank %d of %d)", cfg.run.name, run_dir, device, world.rank,
              world.world_size)
     events.open_timeline(run_dir, world.rank, world.world_size, events.wall_clock(start),
@@ -123,18 +103,19 @@ def run_job(cfg: DictConfig, world: World, device: torch.device,
     tracker = start_tracker(cfg.logger, world)  # a dead store fails now, not after set-up
     if cfg.health.preflight:
         preflight(world, device, cfg.strategy.timeout_seconds, faults)
-    job = build(cfg, world, device, faults)
+    job = build(cfg, paths, world, device, faults)
     start_at = resume(cfg, job, world)
     services = RunServices(tracker, Goodput(run_dir / GOODPUT_FILE if world.rank == 0
                                             else None, start),
                            Watchdog(cfg.health.hang_seconds if cfg.health.enabled else 0),
                            preemption, faults)
-    return run_tracked(cfg, job, world, start_at, services)
+    return run_tracked(cfg, paths, job, world, start_at, services)
 
 
-def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook) -> Job:
+def build(cfg: DictConfig, paths: RunPaths, world: World, device: torch.device,
+          faults: FaultHook) -> Job:
     """Data, model, optimizer, and what checkpoints them."""
-    train_set, val_set = build_datasets(cfg.data, cfg.seed)
+    train_set, val_set = build_datasets(cfg.data, cfg.seed, paths.cache_dir)
     in_band = cfg.strategy.name == StrategyName.ddp_ft
     if in_band:
         check_fault_tolerance(cfg.trainer.grad_accum_steps, cfg.strategy.fault_tolerance)
@@ -169,12 +150,12 @@ def build(cfg: DictConfig, world: World, device: torch.device, faults: FaultHook
     health_state = HealthState(cfg.health.median_window)
     components = stateful_parts(learner, world, info, health_state)
     faults.at("state", state=components)  # negative controls in tests only
-    manager = build_manager(cfg, world, faults)
+    manager = build_manager(cfg, paths, world, faults)
     checkpoints = (RunCheckpoints(cfg, manager, components,
                                   DataIdentity(cfg.seed, len(train_set),
                                                cfg.data.global_batch_size),
                                   world.world_size, faults) if manager else NO_CHECKPOINTS)
-    health = HealthMonitor(cfg.health, health_state, world.rank, run_dir_of(cfg),
+    health = HealthMonitor(cfg.health, health_state, world.rank, paths.run_dir,
                            replicated=cfg.strategy.name in (StrategyName.ddp,
                                                             StrategyName.ddp_ft))
     replicas = (build_replicas(cfg, world, device, learner, health_state, faults) if in_band
@@ -246,13 +227,13 @@ def resume(cfg: DictConfig, job: Job, world: World) -> StartAt:
     return StartAt(position, restored.run.mlflow_run_id if restored else None)
 
 
-def run_tracked(cfg: DictConfig, job: Job, world: World, start_at: StartAt,
+def run_tracked(cfg: DictConfig, paths: RunPaths, job: Job, world: World, start_at: StartAt,
                 services: RunServices) -> Dict[str, float]:
     """The loop under the MLflow run, then what ends a run: the last save committed, the
     report, the final weights."""
-    run_dir, tracker = run_dir_of(cfg), services.tracker
-    with tracker.run(cfg.run.name, cfg, resume_run_id=start_at.mlflow_run_id,
-                     run_dir=run_dir) as run_id:
+    tracker = services.tracker
+    with tracker.run(cfg.run.name, paths.applied_to(cfg),  # MLflow: the paths as used
+                     resume_run_id=start_at.mlflow_run_id, run_dir=paths.run_dir) as run_id:
         # every rank saves the same
         job.info.mlflow_run_id = broadcast_object(run_id, world.control_group)
         tracker.log_params(parameter_counts(job.learner.model))
@@ -260,17 +241,19 @@ def run_tracked(cfg: DictConfig, job: Job, world: World, start_at: StartAt,
         metrics = training_loop(job, services, start_at.position)
         if start_at.position.step >= job.settings.total_steps:  # nothing was trained
             metrics = metrics_reached(cfg, job, world, tracker)
-        finish(cfg, job, world, services)
+        finish(cfg, paths.run_dir, job, world, services)
         log.info("done in %.0fs: %s; %s", time.perf_counter() - services.goodput.process_start,
                  describe(metrics, ["train/loss", "val/loss", "val/top1"]),
                  services.goodput.summary())
     return metrics
 
 
-def finish(cfg: DictConfig, job: Job, world: World, services: RunServices) -> None:
+def finish(cfg: DictConfig, run_dir: Path, job: Job, world: World,
+           services: RunServices) -> None:
     """After the last step, every rank: the last save committed, the replica groups left,
-    goodput and the report written, the final weights saved and logged."""
-    run_dir, tracker = run_dir_of(cfg), services.tracker
+    goodput and the report written, the final weights saved and logged (`run_dir`: this
+    process's run directory)."""
+    tracker = services.tracker
     job.checkpoints.close()
     job.replicas.close()
     services.goodput.save(ended=True)

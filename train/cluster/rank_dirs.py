@@ -14,10 +14,12 @@ and config mistakes stay fast.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
 from contextlib import suppress
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -117,16 +119,47 @@ def mark_latest_record() -> None:
                     record.name, err)
 
 
-def use_node_local_dirs(cfg: DictConfig, node_rank: Optional[int]) -> None:
-    """Give each torchrun agent a directory of its own under `data.cache_dir` and
-    `checkpoint.staging_dir`: `node_<node_rank>`.
+@dataclass(frozen=True)
+class RunPaths:
+    """Where this process keeps a run's files, decided once at start (`run_paths`); the
+    config stays as composed, so `checkpoint.dir` always means what was typed. The run
+    directory holds its lock, timeline, goodput and health files; the checkpoint directory
+    is a mounted path or an fsspec URL; the staging tier and node cache may be None (none)."""
 
-    `node_rank` is torchrun's GROUP_RANK (None outside torchrun: the paths stay as they
-    are). Two agents on one machine are two nodes, and must not share a staging tier or a
-    cache that each believes is its own.
+    run_dir: Path
+    checkpoint_dir: str
+    staging_dir: Optional[str]
+    cache_dir: Optional[str]
+
+    def applied_to(self, cfg: DictConfig) -> DictConfig:
+        """A copy of `cfg` holding these paths: the config as this process uses it, which
+        MLflow records."""
+        used = copy.deepcopy(cfg)
+        used.checkpoint.dir, used.checkpoint.staging_dir = self.checkpoint_dir, self.staging_dir
+        used.data.cache_dir = self.cache_dir
+        return used
+
+
+def run_paths(cfg: DictConfig, replica_id: Optional[int], node_rank: Optional[int]) -> RunPaths:
+    """This process's paths under `cfg` (resolved).
+
+    `replica_id`: strategy=ddp_ft's replica group (None: no groups), which is its own job
+    with its own `replica_<id>/` of the run directory, of `checkpoint.dir` and of
+    `checkpoint.staging_dir`: no group's retention can take another's save in flight for a
+    dead trainer's leftovers. `node_rank`: torchrun's GROUP_RANK (None outside torchrun),
+    whose agent gets its own `node_<node_rank>/` of `checkpoint.staging_dir` and
+    `data.cache_dir`: two agents on one machine are two nodes, and must not share a staging
+    tier or a cache that each believes is its own.
     """
-    if node_rank is None:
-        return
-    for section, key in (("data", "cache_dir"), ("checkpoint", "staging_dir")):
-        if cfg[section][key] is not None:
-            cfg[section][key] = str(Path(cfg[section][key]) / f"node_{node_rank}")
+    run_dir, checkpoint_dir = Path(cfg.run.root) / cfg.run.name, str(cfg.checkpoint.dir)
+    staging, cache = cfg.checkpoint.staging_dir, cfg.data.cache_dir
+    if replica_id is not None:
+        replica = replica_dir_name(replica_id)
+        run_dir = run_dir / replica
+        checkpoint_dir = f"{checkpoint_dir.rstrip('/')}/{replica}"
+        if staging:
+            staging = str(Path(staging) / replica)
+    if node_rank is not None:
+        staging, cache = (None if d is None else str(Path(d) / f"node_{node_rank}")
+                          for d in (staging, cache))
+    return RunPaths(run_dir, checkpoint_dir, staging, cache)

@@ -50,7 +50,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -121,11 +120,6 @@ class Replicas:
 
 
 NO_REPLICAS = Replicas()
-
-
-def replica_dir(run_dir: Path, cfg: FaultToleranceConfig) -> Path:
-    """A replica group's own run directory: its lock, timeline, goodput and health files."""
-    return run_dir / replica_dir_name(cfg.replica_id)
 
 
 def weighted_sums(model: torch.nn.Module, samples: int) -> torch.Tensor:

@@ -9,17 +9,18 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
 from checkpointing import plan as intervals
 from checkpointing.claims import ClaimMismatch, check_step
 from checkpointing.commit import step_dir_name
-from checkpointing.manager import CheckpointManager, CheckpointOptions
+from checkpointing.manager import CheckpointManager, CheckpointOptions, PendingSave, SaveResult
 from common.redact import strip_credentials
 from train.records import events
 from train.config import ResumeMode, changes_training
+from train.cluster.rank_dirs import RunPaths
 from train.cluster.world import World
 from train.errors import ConfigError
 from train.faults import NO_FAULTS, FaultHook
@@ -40,13 +41,13 @@ def training_config(cfg: DictConfig) -> Dict[str, str]:
     return {k: v for k, v in flat.items() if changes_training(k, cfg.run.exclude_keys)}
 
 
-def build_manager(cfg: DictConfig, world: World,
+def build_manager(cfg: DictConfig, paths: RunPaths, world: World,
                   faults: FaultHook = NO_FAULTS) -> Optional[CheckpointManager]:
     ck = cfg.checkpoint
     if not ck.enabled:
         return None
     try:
-        options = CheckpointOptions(dir=ck.dir, staging_dir=ck.staging_dir,
+        options = CheckpointOptions(dir=paths.checkpoint_dir, staging_dir=paths.staging_dir,
                                     async_mode=ck.async_mode.value, keep_last=ck.keep_last,
                                     commit_timeout_s=ck.commit_timeout_s,
                                     storage_options=OmegaConf.to_container(
@@ -196,18 +197,21 @@ class RunCheckpoints(Checkpoints):
         self.identity, self.world_size, self.faults = identity, world_size, faults
         self.schedule = CheckpointSchedule(cfg, start_step=0)
         self.stall_seconds = 0.0  # the last save's, for the schedule and the metrics
-        self._landing: Optional[tuple] = None  # (step, wall time begun) of the save in flight
-        self._failures_seen = 0
+        # the save in flight and the wall time it began, until its landing is recorded
+        self._landing: Optional[Tuple[PendingSave, float]] = None
+        self._save_seconds = 0.0  # how long the newest recorded commit took
+        self._failed_saves = 0
 
     def restore(self) -> Optional[Restored]:
         """Load the newest complete checkpoint of this run as `checkpoint.resume` says; None
         for a fresh start. Another run's checkpoint, or one whose identity keys changed,
         stops the run with a ConfigError."""
         ck, began = self.cfg.checkpoint, time.perf_counter()
+        where = self.manager.options.dir
         exists = self.manager.has_any_checkpoint()
         if ck.resume == ResumeMode.never:
             if exists:
-                raise ConfigError(f"checkpoint.dir {ck.dir} already holds checkpoints and "
+                raise ConfigError(f"checkpoint.dir {where} already holds checkpoints and "
                                   f"checkpoint.resume=never: pick another run.name, or "
                                   f"checkpoint.resume=auto to continue that run")
             return None
@@ -217,20 +221,20 @@ class RunCheckpoints(Checkpoints):
         header, unfit = replace(current, config=dict(current.config)), []
 
         def this_run(step: int) -> None:
-            refuse_another_run(self.cfg, header, current.config)
+            refuse_another_run(self.cfg, where, header, current.config)
             unfit.append(step)  # until its state loads too
 
         restored = self._load_newest(header, this_run)
         if restored is None:
             if unfit:
-                raise unfit_checkpoints(self.cfg, unfit,
+                raise unfit_checkpoints(self.cfg, where, unfit,
                                         changed_keys(header.config, current.config))
             if exists:
-                raise ConfigError(f"{ck.dir} holds checkpoints but none is complete (see the "
+                raise ConfigError(f"{where} holds checkpoints but none is complete (see the "
                                   f"warnings above): remove them to start afresh, or point "
                                   f"checkpoint.dir at a good copy")
             if ck.resume == ResumeMode.required:
-                raise ConfigError(f"checkpoint.resume=required but {ck.dir} holds no "
+                raise ConfigError(f"checkpoint.resume=required but {where} holds no "
                                   f"checkpoint: check run.name / checkpoint.dir")
             return None
         events.record("resume", step=restored.position.step,
@@ -244,19 +248,17 @@ class RunCheckpoints(Checkpoints):
     def save(self, position: Position, last_step: bool = False) -> float:
         """Start a checkpoint of `position` if one is due (always at the last step); returns
         how long the loop was blocked (0.0 when none was due)."""
-        # Committed in the background since the last step (the manager sets the step just
-        # before the seconds: a read in between takes the last save's, a time off a bit).
-        if self._landing and self.manager.last_complete_step == self._landing[0]:
-            self._record_landed()
+        self._record_landed()  # committed in the background since the last step, if it has
         if not self.schedule.due(position.step, final=last_step):
             return 0.0
         state = {**self.components, **position_state(position, self.identity)}
         began = time.time()
-        self.stall_seconds = self.manager.save(position.step, state)
+        pending = self.manager.save(position.step, state)
+        self.stall_seconds = pending.stall_seconds
         self._record_landed()  # the previous save: the manager waited for it
         events.record_once("save_staged", step=position.step, stall=self.stall_seconds)
-        self._landing = (position.step, began)
-        self.schedule.saved(position.step, self.stall_seconds, self.manager.last_save_seconds)
+        self._landing = (pending, began)
+        self.schedule.saved(position.step, self.stall_seconds, self._newest_save_seconds())
         return self.stall_seconds
 
     def roll_back(self, at_most: Optional[int] = None) -> Optional[Restored]:
@@ -294,8 +296,21 @@ class RunCheckpoints(Checkpoints):
         return Restored(position, found.world_size, header)
 
     def metrics(self) -> Dict[str, float]:
-        return {"checkpoint/save_seconds": self.manager.last_save_seconds,
-                "checkpoint/failed_saves": float(self.manager.failed_saves)}
+        landed = self._landed()
+        failed = self._failed_saves + (landed is not None and not landed.committed)
+        return {"checkpoint/save_seconds": self._newest_save_seconds(),
+                "checkpoint/failed_saves": float(failed)}
+
+    def _landed(self) -> Optional[SaveResult]:
+        """How the save in flight ended, if it has and its record is still to be made."""
+        if self._landing is None or not self._landing[0].done():
+            return None
+        return self._landing[0].result()
+
+    def _newest_save_seconds(self) -> float:
+        """How long the newest committed save took (async_mode=off: the one just made)."""
+        landed = self._landed()
+        return landed.seconds if landed is not None and landed.committed else self._save_seconds
 
     def close(self) -> None:
         """Wait until the last save is committed (raises if it failed)."""
@@ -305,24 +320,28 @@ class RunCheckpoints(Checkpoints):
             self._record_landed()
 
     def _record_landed(self) -> None:
-        """The timeline's record of how the save in flight ended, once the manager has
-        waited for it: committed (at the time it landed) or failed."""
-        if self._landing is None:
+        """The timeline's record of how the save in flight ended, once it has landed:
+        committed (at the time it landed) or failed."""
+        landed = self._landed()
+        if landed is None:
             return
-        (step, began), self._landing = self._landing, None
-        if self.manager.failed_saves > self._failures_seen:
-            self._failures_seen = self.manager.failed_saves
-            events.record("save_failed", step=step, error=self.manager.last_failure[:300])
+        began, self._landing = self._landing[1], None
+        if landed.committed:
+            self._save_seconds = landed.seconds
+            events.record_once("save_committed", at=began + landed.seconds, step=landed.step,
+                               seconds=landed.seconds)
         else:
-            seconds = self.manager.last_save_seconds
-            events.record_once("save_committed", at=began + seconds, step=step, seconds=seconds)
+            self._failed_saves += 1
+            events.record("save_failed", step=landed.step, error=landed.error[:300])
 
 
-def refuse_another_run(cfg: DictConfig, saved: RunInfo, current_config: Dict[str, str]) -> None:
-    """Raise when the checkpoint whose header is in `saved` belongs to another run."""
+def refuse_another_run(cfg: DictConfig, where: str, saved: RunInfo,
+                       current_config: Dict[str, str]) -> None:
+    """Raise when the checkpoint in `where` whose header is in `saved` belongs to another
+    run."""
     if saved.run_name not in (None, cfg.run.name):
         raise ConfigError(
-            f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints of another run "
+            f"checkpoint.dir {where} holds checkpoints of another run "
             f"({saved.run_name[:200]!r}), not of this run ({cfg.run.name}): give every run "
             f"a checkpoint.dir of its own, e.g. checkpoint.dir=/some/dir/${{run.name}} (the "
             f"default is ${{run.root}}/${{run.name}}/checkpoints), or run.name= that run's "
@@ -343,10 +362,11 @@ def _typed(value: Optional[str]) -> str:
     return re.sub(r"^[A-Z][A-Za-z]*\.(\w+)$", r"\1", text)
 
 
-def unfit_checkpoints(cfg: DictConfig, steps: List[int], changed: List[str]) -> ConfigError:
-    """Complete, verified checkpoints of this run that do not load into its state: the
-    config changed under them (never a reason to delete them)."""
-    where = strip_credentials(str(cfg.checkpoint.dir))
+def unfit_checkpoints(cfg: DictConfig, checkpoint_dir: str, steps: List[int],
+                      changed: List[str]) -> ConfigError:
+    """Complete, verified checkpoints of this run in `checkpoint_dir` that do not load into
+    its state: the config changed under them (never a reason to delete them)."""
+    where = strip_credentials(checkpoint_dir)
     what = (f"config keys changed since they were saved: {', '.join(changed)[:300]}: set "
             f"them back, or use a new run.name (the checkpoints are intact: keep them)"
             if changed else
