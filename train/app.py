@@ -49,7 +49,7 @@ from train.cluster.runlock import hold_run_lock
 from train.resume.stateful import (DataIdentity, ModelState, OptimizerState, Position, RNGState,
                          RunInfo, SchedulerState)
 from train.records.report import write_run_report
-from train.tracking.tracker import NullTracker, describe, parameter_counts, start_tracker
+from train.tracking.tracker import Tracker, describe, parameter_counts, start_tracker
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def finish(cfg: DictConfig, run_dir: Path, job: Job, world: World,
 
 
 def metrics_reached(cfg: DictConfig, job: Job, world: World,
-                    tracker: NullTracker) -> Dict[str, float]:
+                    tracker: Tracker) -> Dict[str, float]:
     """What a run that was already complete reached, for the sweeper that runs it again: the
     last values its MLflow run holds, or, where those lack `sweep.objective`, its last
     validation again (the final checkpoint's weights, so the same numbers)."""
@@ -288,7 +288,7 @@ def wants_final_weights(cfg: DictConfig) -> bool:
 
 
 def log_final_model(cfg: DictConfig, weights: Dict[str, torch.Tensor], card: Dict[str, Any],
-                    tracker: NullTracker) -> None:
+                    tracker: Tracker) -> None:
     """The final weights in a plain model on the CPU (no DDP/FSDP wrapper), as an MLflow
     model whose input example is two normalized images: MLflow exports the model with
     torch.export, which fixes a batch dimension of 1 for good."""

@@ -30,7 +30,7 @@ from train.learn.strategy import gradient_sync, runs_in_lockstep
 from train.cluster.preemption import Preempted, PreemptionFlag
 from train.tracking.progress import ProgressBar
 from train.resume.stateful import Position, RunInfo
-from train.tracking.tracker import NullTracker, describe
+from train.tracking.tracker import Tracker, describe
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class RunServices:
     """What serves the loop for this process, around the job: where metrics and the
     timeline's goodput go, what watches for hangs and stop signals, and the faults of tests."""
 
-    tracker: NullTracker
+    tracker: Tracker
     goodput: Goodput
     watchdog: Watchdog
     preemption: PreemptionFlag
@@ -213,7 +213,7 @@ def advance(learner: Learner, position: Position, settings: LoopSettings) -> Pos
     return position.advanced(settings.steps_per_epoch)
 
 
-def log_first_batch(tracker: NullTracker, began: float, step: int) -> Dict[str, float]:
+def log_first_batch(tracker: Tracker, began: float, step: int) -> Dict[str, float]:
     """How long the first global batch took to arrive (start-up of the input pipeline)."""
     first = {"data/first_batch_seconds": time.perf_counter() - began}
     tracker.log_metrics(first, 0)

@@ -76,8 +76,9 @@ def parameter_counts(model: torch.nn.Module) -> Dict[str, str]:
                                                   if p.requires_grad))}
 
 
-class NullTracker:
-    """Logs nothing: `logger=none`, and every rank but 0."""
+class Tracker:
+    """Where the run's params, metrics and files go. This base logs nothing (`logger=none`,
+    and every rank but 0); `MLflowTracker` logs to MLflow."""
 
     @contextmanager
     def run(self, run_name: str, config: DictConfig, resume_run_id: Optional[str] = None,
@@ -110,7 +111,7 @@ class NullTracker:
         pass
 
 
-class MLflowTracker:
+class MLflowTracker(Tracker):
     """Rank 0's MLflow run. A store that fails mid-run never stops training: what it did not
     take (metrics, system metrics, artifacts, the run's end) waits in memory and in the run
     directory's mlflow_unsent.jsonl (train/tracking/unsent.py), and is sent when the store answers
@@ -578,13 +579,13 @@ def dataset_input(split: str, index: Any) -> Any:
                                                                                    split))])
 
 
-def build_tracker(cfg: LoggerConfig, rank: int) -> NullTracker | MLflowTracker:
+def build_tracker(cfg: LoggerConfig, rank: int) -> Tracker:
     if rank != 0 or cfg.name == LoggerName.none:
-        return NullTracker()
+        return Tracker()
     return MLflowTracker(cfg)
 
 
-def start_tracker(cfg: LoggerConfig, world: World) -> NullTracker | MLflowTracker:
+def start_tracker(cfg: LoggerConfig, world: World) -> Tracker:
     """This rank's tracker, its store checked by rank 0. Every rank gets the verdict, so a
     store that cannot be used ends all of them with one line instead of leaving the others
     waiting for rank 0 in a later collective."""
