@@ -56,6 +56,8 @@ FOOTER = struct.Struct("<8sQI")  # magic, payload length, crc32 of the payload
 MAGIC = b"GPCACHE1"
 LOW_WATERMARK = 0.9  # eviction frees down to this fraction of the limit, to amortize scans
 LRU_CLOCK_SECONDS = 60  # a hit refreshes a file's mtime when it is older than this
+MAX_PID = 1 << 22  # Linux's highest pid_max
+MAX_LEDGER_BYTES = 128  # the ledger is one fixed-width line of ~70 bytes
 CLEAN, CHANGING = b"clean", b"dirty"  # the ledger's state: settled, or a change under way
 
 
@@ -299,9 +301,12 @@ class NodeCache:
         for entry in os.scandir(self.root / "fills"):
             try:
                 _, pid, _, size, key = entry.name.split("-", 4)
-                yield Path(entry.path), int(pid), int(size), key
-            except ValueError:
-                continue  # not a name of ours
+                pid_number = int(pid)
+                ours = entry.is_file(follow_symlinks=False) and 0 < pid_number <= MAX_PID
+            except (ValueError, OSError):
+                continue
+            if ours:  # else a directory, a link, or a pid no process can have: not a fill
+                yield Path(entry.path), pid_number, int(size), key
 
     def _recount(self, why: str) -> int:
         """Set the ledger to the finished objects plus the live fills' bookings, and
@@ -393,7 +398,8 @@ class NodeCache:
         """The ledger: (bytes booked, the boot that wrote it, its state); state b"" when
         there is none, or it is not one of ours."""
         try:
-            fields = (self.root / "usage").read_bytes().split()
+            with open(self.root / "usage", "rb") as f:
+                fields = f.read(MAX_LEDGER_BYTES + 1).split()  # a huge file is not ours
         except FileNotFoundError:
             return 0, b"", b""
         if len(fields) != 3 or not fields[0].isdigit() or fields[2] not in (CLEAN, CHANGING):
