@@ -8,7 +8,9 @@ power loss. A reader sees the old content or the new, never half of it.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,3 +78,17 @@ def ends_torn(path: PathLike) -> bool:
             return False
         f.seek(-1, os.SEEK_END)
         return f.read(1) != b"\n"
+
+
+def open_regular(path: PathLike, flags: int) -> int:
+    """A descriptor on `path`, which must be a regular file (or a link to one): a FIFO would
+    block the open or the read for good, a device such as /dev/zero would never end."""
+    fd = os.open(path, flags | os.O_NONBLOCK, 0o644)  # a FIFO's open must not wait
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

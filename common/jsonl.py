@@ -13,32 +13,16 @@ nested past the parser's stack). `lines` never holds more than `max_bytes` of on
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
 
-from common.files import ends_torn
+from common.files import ends_torn, open_regular
 
 MAX_LINE_BYTES = 1 << 16  # a line longer than this is garbage, skipped unread
 
 PathLike = Union[str, Path]
-
-
-def _open_file(path: Path, flags: int) -> int:
-    """A descriptor on `path`, which must be a regular file (or a link to one): a FIFO would
-    block the open or the read for good, a device such as /dev/zero would never end."""
-    fd = os.open(path, flags | os.O_NONBLOCK, 0o644)  # a FIFO's open must not wait
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class Appender:
@@ -48,7 +32,8 @@ class Appender:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: Optional[int] = _open_file(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self._fd: Optional[int] = open_regular(self.path,
+                                               os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             self._first = b"\n" if ends_torn(self.path) else b""
         except BaseException:
@@ -87,7 +72,7 @@ def lines(path: PathLike, max_bytes: int = MAX_LINE_BYTES) -> Iterator[Tuple[byt
     """(line, whole) for each line of `path`, never holding more than `max_bytes` of one: a
     longer line is given as (b"", False), the last line when it has no newline (torn, or
     whole but for its newline) as (its bytes, False)."""
-    with os.fdopen(_open_file(Path(path), os.O_RDONLY), "rb") as f:
+    with os.fdopen(open_regular(Path(path), os.O_RDONLY), "rb") as f:
         while True:
             line = f.readline(max_bytes + 1)
             if not line:

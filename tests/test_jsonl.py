@@ -1,4 +1,5 @@
-"""common/jsonl.py against files that are not what they should be."""
+"""The readers of run files (common/jsonl.py, read_goodput) against files that are not what
+they should be."""
 
 import os
 import signal
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from common import jsonl
+from common.run_files import read_goodput
 
 
 class Blocked(Exception):
@@ -48,6 +50,7 @@ def test_a_file_that_is_not_a_regular_file_is_refused_not_waited_on(tmp_path, no
         list(jsonl.records(path))
     with pytest.raises(OSError):
         jsonl.append_line(path, {"a": 1})
+    assert read_goodput(path) == (None, f"{path.name} cannot be read (not a regular file)")
 
 
 def test_hostile_lines_are_skipped_and_a_link_to_a_file_is_read(tmp_path, no_hang):
