@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
-from common.processes import pid_alive
+from common.processes import pid_alive, started_at
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ FOOTER = struct.Struct("<8sQI")  # magic, payload length, crc32 of the payload
 MAGIC = b"GPCACHE1"
 LOW_WATERMARK = 0.9  # eviction frees down to this fraction of the limit, to amortize scans
 LRU_CLOCK_SECONDS = 60  # a hit refreshes a file's mtime when it is older than this
+PID_CLOCK_SLACK = 2.0  # seconds: a process's start time is known to about a second
 MAX_PID = 1 << 22  # Linux's highest pid_max
 MAX_LEDGER_BYTES = 128  # the ledger is one fixed-width line of ~70 bytes
 CLEAN, CHANGING = b"clean", b"dirty"  # the ledger's state: settled, or a change under way
@@ -91,6 +92,20 @@ def boot_id() -> Optional[bytes]:
         return Path("/proc/sys/kernel/random/boot_id").read_bytes().strip() or None
     except OSError:
         return None
+
+
+def _writer_alive(fill: Path, pid: int) -> bool:
+    """Whether the process that writes `fill` lives: `pid` alive, and not a process that
+    started after the fill was last written (the writer died and its pid was reused, which
+    would keep its booking forever). False once the fill is gone."""
+    if not pid_alive(pid):
+        return False
+    try:
+        written = fill.lstat().st_mtime
+    except FileNotFoundError:
+        return False
+    started = started_at(pid)
+    return started is None or started <= written + PID_CLOCK_SLACK
 
 
 def cache_key(url: str, size: int) -> str:
@@ -317,7 +332,7 @@ class NodeCache:
         were listed (then both are on disk)."""
         live = {}
         for path, pid, size, key in self._fills():
-            if pid_alive(pid):
+            if _writer_alive(path, pid):
                 live[key] = (path, size)
             else:
                 path.unlink(missing_ok=True)
@@ -342,7 +357,7 @@ class NodeCache:
         to the ledger); the bytes given back."""
         freed = 0
         for path, pid, size, _ in self._fills():
-            if not pid_alive(pid):
+            if not _writer_alive(path, pid):
                 try:
                     path.unlink()
                 except FileNotFoundError:

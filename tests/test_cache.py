@@ -491,3 +491,23 @@ def test_hostile_entries_in_fills_and_a_garbage_ledger_neither_stop_a_start_nor_
             (root / "usage").write_bytes(usage)
         assert NodeCache(root, 10 ** 6).usage_bytes() == 300 + FOOTER.size
     assert outside.read_bytes() == b"keep me"
+
+
+def test_a_fill_whose_pid_a_later_process_took_is_settled_as_dead(tmp_path):
+    """A fill left by a dead writer whose pid another process now has: that process started
+    after the fill was written, so it cannot be the writer; its booking is given back."""
+    root = tmp_path / "c"
+    NodeCache(root, 10 ** 6).get("ab" * 20, lambda: b"v" * 300)
+    stranger = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                stdin=subprocess.PIPE)
+    try:
+        fill = root / "fills" / f".tmp-{stranger.pid}-1-500-{'cd' * 20}"
+        fill.write_bytes(b"x" * 100)
+        hour_ago = time.time() - 3600
+        os.utime(fill, (hour_ago, hour_ago))
+        (root / "usage").unlink()  # a recount: the booking of a live fill would count
+        assert NodeCache(root, 10 ** 6).usage_bytes() == 300 + FOOTER.size
+        assert not fill.exists()
+    finally:
+        stranger.stdin.close()
+        stranger.wait()
