@@ -22,7 +22,7 @@ When the disk itself is full, the cache evicts, retries once, then reads through
 
 A process start does not recount the cache (seconds at a million entries, and every rank of
 a node starts at once): it only settles the fills of processes that died (a short listing of
-fills/). The ledger is recounted only when it cannot be trusted: a change to it is marked in
+fills/; a pid taken since by a later process counts as died). The ledger is recounted only when it cannot be trusted: a change to it is marked in
 progress in the ledger itself until done, so a process killed in the middle of one leaves
 the mark, and the next process to take the lock recounts, once for the node; so does the
 first start after a reboot (the ledger names the boot that wrote it: page-cache writes may
