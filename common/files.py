@@ -80,12 +80,14 @@ def ends_torn(path: PathLike) -> bool:
         return f.read(1) != b"\n"
 
 
-def open_regular(path: PathLike, flags: int) -> int:
-    """A descriptor on `path`, which must be a regular file (or a link to one): a FIFO would
-    block the open or the read for good, a device such as /dev/zero would never end."""
-    fd = os.open(path, flags | os.O_NONBLOCK, 0o644)  # a FIFO's open must not wait
+def open_regular(path: PathLike, flags: int, stream: bool = False) -> int:
+    """A descriptor on `path`, which must be a regular file (or a link to one), or with
+    `stream` a FIFO a writer feeds (its open waits for one): an appender's open on a FIFO
+    would wait for a reader for good, a device such as /dev/zero would never end."""
+    fd = os.open(path, flags if stream else flags | os.O_NONBLOCK, 0o644)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stream and stat.S_ISFIFO(mode)):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
         os.set_blocking(fd, True)
     except BaseException:

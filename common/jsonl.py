@@ -72,7 +72,7 @@ def lines(path: PathLike, max_bytes: int = MAX_LINE_BYTES) -> Iterator[Tuple[byt
     """(line, whole) for each line of `path`, never holding more than `max_bytes` of one: a
     longer line is given as (b"", False), the last line when it has no newline (torn, or
     whole but for its newline) as (its bytes, False)."""
-    with os.fdopen(open_regular(Path(path), os.O_RDONLY), "rb") as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY, stream=True), "rb") as f:
         while True:
             line = f.readline(max_bytes + 1)
             if not line:
