@@ -8,7 +8,9 @@ power loss. A reader sees the old content or the new, never half of it.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,3 +78,19 @@ def ends_torn(path: PathLike) -> bool:
             return False
         f.seek(-1, os.SEEK_END)
         return f.read(1) != b"\n"
+
+
+def open_regular(path: PathLike, flags: int, stream: bool = False) -> int:
+    """A descriptor on `path`, which must be a regular file (or a link to one), or with
+    `stream` a FIFO a writer feeds (its open waits for one): an appender's open on a FIFO
+    would wait for a reader for good, a device such as /dev/zero would never end."""
+    fd = os.open(path, flags if stream else flags | os.O_NONBLOCK, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stream and stat.S_ISFIFO(mode)):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple, Union
 
-from common.files import ends_torn
+from common.files import ends_torn, open_regular
 
 MAX_LINE_BYTES = 1 << 16  # a line longer than this is garbage, skipped unread
 
@@ -32,9 +32,13 @@ class Appender:
     def __init__(self, path: PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                                          0o644)
-        self._first = b"\n" if ends_torn(self.path) else b""
+        self._fd: Optional[int] = open_regular(self.path,
+                                               os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            self._first = b"\n" if ends_torn(self.path) else b""
+        except BaseException:
+            self.close()
+            raise
 
     def append(self, record: Mapping[str, Any]) -> None:
         """`record` as one line, in a single append."""
@@ -68,7 +72,7 @@ def lines(path: PathLike, max_bytes: int = MAX_LINE_BYTES) -> Iterator[Tuple[byt
     """(line, whole) for each line of `path`, never holding more than `max_bytes` of one: a
     longer line is given as (b"", False), the last line when it has no newline (torn, or
     whole but for its newline) as (its bytes, False)."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY, stream=True), "rb") as f:
         while True:
             line = f.readline(max_bytes + 1)
             if not line:

@@ -7,7 +7,8 @@ import os
 import signal
 from contextlib import contextmanager
 from multiprocessing import resource_tracker
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 # The signals that may ask the trainer to stop (trainer.stop_signals' choices) but SIGTERM,
 # by which multiprocessing ends its helpers (a helper blocking it would hang the exit)
@@ -56,3 +57,17 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # it lives, under another user
         return True
     return True
+
+
+def started_at(pid: int) -> Optional[float]:
+    """When process `pid` started (wall clock, to about a second: the boot time is whole
+    seconds), or None where /proc does not say."""
+    try:
+        # the fields after the command name, which may hold spaces and parentheses
+        fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        booted = next(int(line.split()[1])
+                      for line in Path("/proc/stat").read_bytes().splitlines()
+                      if line.startswith(b"btime "))
+        return booted + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

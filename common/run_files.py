@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
+
+from common.files import open_regular
 
 EVENTS_FILE = "events.jsonl"  # the event timeline (train/records/events.py)
 GOODPUT_FILE = "goodput.json"  # the goodput totals
@@ -51,7 +54,7 @@ def read_goodput(path: Union[str, Path]) -> Tuple[Optional[GoodputTotals], str]:
     not ours, or holding impossible numbers."""
     name = Path(path).name
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:  # a FIFO: no wait
             raw = f.read(MAX_GOODPUT_BYTES + 1)
     except FileNotFoundError:
         return None, f"no {name}"

@@ -22,7 +22,7 @@ When the disk itself is full, the cache evicts, retries once, then reads through
 
 A process start does not recount the cache (seconds at a million entries, and every rank of
 a node starts at once): it only settles the fills of processes that died (a short listing of
-fills/). The ledger is recounted only when it cannot be trusted: a change to it is marked in
+fills/; a pid taken since by a later process counts as died). The ledger is recounted only when it cannot be trusted: a change to it is marked in
 progress in the ledger itself until done, so a process killed in the middle of one leaves
 the mark, and the next process to take the lock recounts, once for the node; so does the
 first start after a reboot (the ledger names the boot that wrote it: page-cache writes may
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
-from common.processes import pid_alive
+from common.processes import pid_alive, started_at
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ FOOTER = struct.Struct("<8sQI")  # magic, payload length, crc32 of the payload
 MAGIC = b"GPCACHE1"
 LOW_WATERMARK = 0.9  # eviction frees down to this fraction of the limit, to amortize scans
 LRU_CLOCK_SECONDS = 60  # a hit refreshes a file's mtime when it is older than this
+PID_CLOCK_SLACK = 2.0  # seconds: a process's start time is known to about a second
+MAX_PID = 1 << 22  # Linux's highest pid_max
+MAX_LEDGER_BYTES = 128  # the ledger is one fixed-width line of ~70 bytes
 CLEAN, CHANGING = b"clean", b"dirty"  # the ledger's state: settled, or a change under way
 
 
@@ -89,6 +92,20 @@ def boot_id() -> Optional[bytes]:
         return Path("/proc/sys/kernel/random/boot_id").read_bytes().strip() or None
     except OSError:
         return None
+
+
+def _writer_alive(fill: Path, pid: int) -> bool:
+    """Whether the process that writes `fill` lives: `pid` alive, and not a process that
+    started after the fill was last written (the writer died and its pid was reused, which
+    would keep its booking forever). False once the fill is gone."""
+    if not pid_alive(pid):
+        return False
+    try:
+        written = fill.lstat().st_mtime
+    except FileNotFoundError:
+        return False
+    started = started_at(pid)
+    return started is None or started <= written + PID_CLOCK_SLACK
 
 
 def cache_key(url: str, size: int) -> str:
@@ -299,9 +316,12 @@ class NodeCache:
         for entry in os.scandir(self.root / "fills"):
             try:
                 _, pid, _, size, key = entry.name.split("-", 4)
-                yield Path(entry.path), int(pid), int(size), key
-            except ValueError:
-                continue  # not a name of ours
+                pid_number = int(pid)
+                ours = entry.is_file(follow_symlinks=False) and 0 < pid_number <= MAX_PID
+            except (ValueError, OSError):
+                continue
+            if ours:  # else a directory, a link, or a pid no process can have: not a fill
+                yield Path(entry.path), pid_number, int(size), key
 
     def _recount(self, why: str) -> int:
         """Set the ledger to the finished objects plus the live fills' bookings, and
@@ -312,7 +332,7 @@ class NodeCache:
         were listed (then both are on disk)."""
         live = {}
         for path, pid, size, key in self._fills():
-            if pid_alive(pid):
+            if _writer_alive(path, pid):
                 live[key] = (path, size)
             else:
                 path.unlink(missing_ok=True)
@@ -337,7 +357,7 @@ class NodeCache:
         to the ledger); the bytes given back."""
         freed = 0
         for path, pid, size, _ in self._fills():
-            if not pid_alive(pid):
+            if not _writer_alive(path, pid):
                 try:
                     path.unlink()
                 except FileNotFoundError:
@@ -393,7 +413,8 @@ class NodeCache:
         """The ledger: (bytes booked, the boot that wrote it, its state); state b"" when
         there is none, or it is not one of ours."""
         try:
-            fields = (self.root / "usage").read_bytes().split()
+            with open(self.root / "usage", "rb") as f:
+                fields = f.read(MAX_LEDGER_BYTES + 1).split()  # a huge file is not ours
         except FileNotFoundError:
             return 0, b"", b""
         if len(fields) != 3 or not fields[0].isdigit() or fields[2] not in (CLEAN, CHANGING):

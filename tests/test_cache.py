@@ -472,3 +472,42 @@ def test_the_first_start_after_a_reboot_recounts(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("data.cache.boot_id", lambda: None)
     assert len(starts_recounting()) == len(starts_recounting()) == 1
     assert ledger_matches_disk(tmp_path / "c")
+
+
+def test_hostile_entries_in_fills_and_a_garbage_ledger_neither_stop_a_start_nor_reach_out(
+        tmp_path):
+    """What is no fill of ours in fills/ (a directory, a link out of the cache, a pid no
+    process can have) is left alone and booked nothing; a garbage ledger is recounted."""
+    root, outside = tmp_path / "c", tmp_path / "precious"
+    outside.write_bytes(b"keep me")
+    NodeCache(root, 10 ** 6).get("ab" * 20, lambda: b"v" * 300)
+    fills = root / "fills"
+    (fills / ".tmp-4194000-1-500-dd").mkdir()  # a dead pid's name, on a directory
+    (fills / ".tmp-4194001-1-500-ee").symlink_to(outside)
+    (fills / ".tmp-99999999999999999999-1-500-ff").write_bytes(b"x")
+    (fills / ".tmp-0-1-500-00").write_bytes(b"x")  # kill(0) is our own process group
+    for usage in (None, b"9" * 30 + b" x clean\n" + b"y" * 1000):
+        if usage is not None:
+            (root / "usage").write_bytes(usage)
+        assert NodeCache(root, 10 ** 6).usage_bytes() == 300 + FOOTER.size
+    assert outside.read_bytes() == b"keep me"
+
+
+def test_a_fill_whose_pid_a_later_process_took_is_settled_as_dead(tmp_path):
+    """A fill left by a dead writer whose pid another process now has: that process started
+    after the fill was written, so it cannot be the writer; its booking is given back."""
+    root = tmp_path / "c"
+    NodeCache(root, 10 ** 6).get("ab" * 20, lambda: b"v" * 300)
+    stranger = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                stdin=subprocess.PIPE)
+    try:
+        fill = root / "fills" / f".tmp-{stranger.pid}-1-500-{'cd' * 20}"
+        fill.write_bytes(b"x" * 100)
+        hour_ago = time.time() - 3600
+        os.utime(fill, (hour_ago, hour_ago))
+        (root / "usage").unlink()  # a recount: the booking of a live fill would count
+        assert NodeCache(root, 10 ** 6).usage_bytes() == 300 + FOOTER.size
+        assert not fill.exists()
+    finally:
+        stranger.stdin.close()
+        stranger.wait()
