@@ -70,13 +70,18 @@ events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitl
           if line.strip()]
 stalls = [e["stall"] for e in events if e["kind"] == "save_staged" and e["rank"] == 0]
 saves = [e["seconds"] for e in events if e["kind"] == "save_committed" and e["rank"] == 0]
+# A process killed before its next step never learns that its last save committed: the
+# resume from that step says so (as the goodput report counts them).
+staged = {e["step"] for e in events if e["kind"] == "save_staged" and e["rank"] == 0}
+landed = ({e["step"] for e in events if e["kind"] == "save_committed" and e["rank"] == 0}
+          | ({e["step"] for e in events if e["kind"] == "resume"} & staged))
 restarts = len({e["attempt"] for e in events if e["kind"] == "start"}) - 1
 stepping = parts["compute"] + parts["data_wait"]
 print(f"{strategy}: {statistics.median(rates[1:] or rates):.0f} images/s (median of "
       f"{len(rates)} log windows, batch {batch}); data/fetch_seconds "
       f"{100 * parts['data_wait'] / stepping:.1f}% of a step; checkpoint stall median "
       f"{statistics.median(stalls):.3f}s, save {statistics.median(saves):.2f}s "
-      f"({len(saves)} saves); goodput {100 * parts['compute'] / sum(parts.values()):.1f}% "
+      f"({len(landed)} saves); goodput {100 * parts['compute'] / sum(parts.values()):.1f}% "
       f"with {restarts} restart(s) in {wall}s")
 EOF
     python -m train.report "$run" --out "$work/$strategy-goodput.png"
