@@ -222,6 +222,17 @@ def remove_checkpoints(directory: Path) -> None:
         shutil.rmtree(step_dir)
 
 
+def keep_round(samples: Dict[str, Dict[str, List[float]]], results: Dict[str, Dict[str, float]],
+               round_: int, name: str, labels: Dict[str, str]) -> None:
+    """Keep a measured round's figures (round 0 is the warm-up) and print its blocked times."""
+    if round_:
+        for key, values in results.items():
+            for kind, value in values.items():
+                samples[key].setdefault(kind, []).append(value)
+    print(f"  {name} {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
+        f"({k}) {results[k]['blocked']:.3f}s" for k in labels if k in results), flush=True)
+
+
 def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
                    modes: Dict[str, Tuple[str, str]] = MODES
                    ) -> Tuple[Dict[str, Dict[str, float]], float]:
@@ -266,12 +277,7 @@ def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
             results[key] = {"blocked": blocked, "total": total, "cpu": cpu, "stall": reported,
                             "back_to_back": again, "back_to_back_stall": again_reported}
         full.unlink()
-        if round_:
-            for key, values in results.items():
-                for kind, value in values.items():
-                    samples[key].setdefault(kind, []).append(value)
-        print(f"  round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
-            f"({k}) {results[k]['blocked']:.3f}s" for k in LABELS if k in results), flush=True)
+        keep_round(samples, results, round_, "round", LABELS)
     # The reads in rounds of their own: a load replaces live tensors (the optimizer's state),
     # which makes the next save check its state-dict shortcut again (train/resume/stateful.py).
     for round_ in range(repeats + 1 if loaded else 0):
@@ -293,13 +299,7 @@ def measure_stalls(work: Path, repeats: int, model_name: str = "resnet50",
         for key in loaded:
             remove_checkpoints(work / key)
         full.unlink()
-        if round_:
-            for key, values in results.items():
-                for kind, value in values.items():
-                    samples[key].setdefault(kind, []).append(value)
-        print(f"  read round {round_}{' (warm-up)' if not round_ else ''}: " + "  ".join(
-            f"({k}) {results[k]['blocked']:.3f}s" for k in LOAD_LABELS if k in results),
-            flush=True)
+        keep_round(samples, results, round_, "read round", LOAD_LABELS)
     shutdown_world()
     return {k: {kind: statistics.median(v) for kind, v in s.items()}
             for k, s in samples.items()}, state_mb
