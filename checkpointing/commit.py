@@ -21,6 +21,7 @@ marker left by a dead attempt never vouches for this attempt's files, nor theirs
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 from dataclasses import dataclass
@@ -96,14 +97,30 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
                    ) -> Tuple[int, Dict[str, FileRecord]]:
     """Raise `Incomplete` unless `directory` is a complete checkpoint of `step`.
 
-    Returns the world size it was saved at, and the files its markers list. With `read_contents=False` only the markers and
-    the presence and sizes of the files they list are checked, and no other file is read:
-    for what this job has just written, whose checksums came from the bytes on their way to
-    the files and whose `.metadata` it wrote itself (unpickling it safely costs about a
-    quarter of a second for ResNet-50's state).
+    Returns the world size it was saved at, and the files its markers list. With
+    `read_contents=False` only the markers and the presence and sizes of the files they
+    list are checked (`checked_layout`), and no other file is read: for what this job has
+    just written, whose checksums came from the bytes on their way to the files and whose
+    `.metadata` it wrote itself (unpickling it safely costs about a quarter of a second for
+    ResNet-50's state). The contents are `first_mismatch` and `check_metadata`, which
+    ranks may share (`share_of`).
     """
+    world_size, listed = checked_layout(store, directory, step)
+    if read_contents:
+        failure = first_mismatch(store, directory, listed, sorted(listed))
+        if failure is not None:
+            raise Incomplete(describe_mismatch(sorted(listed), failure))
+        check_metadata(store, directory, listed)
+    return world_size, listed
+
+
+def checked_layout(store: Store, directory: str, step: int
+                   ) -> Tuple[int, Dict[str, FileRecord]]:
+    """The world size and listed files of `directory`, or `Incomplete`: every marker of one
+    save attempt of `step` is there and well formed, and every file they list is a regular
+    file of the size they record. Reads the markers only."""
     # One listing gives every file's type and size: per rank, rank 0 then reads only its
-    # marker (and, with `read_contents`, its files' bytes).
+    # marker.
     entries = store.entries(store.path(directory))
     if METADATA_FILE not in entries:
         raise Incomplete(f"{METADATA_FILE} is missing")
@@ -155,11 +172,53 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
         size = entries[name][1]
         if size != record.size:
             raise Incomplete(f"{name} is {size} bytes, its marker says {record.size}")
-        if (read_contents and store.checksum(store.path(directory, name), record.algorithm)
-                != record.checksum):
-            raise Incomplete(f"{name} does not match its checksum (altered or swapped)")
-    if not read_contents:
-        return world_size, listed
+    return world_size, listed
+
+
+# What `first_mismatch` found wrong with a file
+MISMATCH, UNREADABLE = 0, 1
+
+
+def first_mismatch(store: Store, directory: str, listed: Dict[str, FileRecord],
+                   names: List[str]) -> Optional[Tuple[int, int]]:
+    """(position in `names`, MISMATCH or UNREADABLE) of the first of `names` whose bytes do
+    not match the checksum `listed` records for it, or None when all match. A file the
+    store cannot read (after its retries) is UNREADABLE: not to be trusted either."""
+    for position, name in enumerate(names):
+        record = listed[name]
+        try:
+            if store.checksum(store.path(directory, name), record.algorithm) != record.checksum:
+                return position, MISMATCH
+        except OSError:
+            return position, UNREADABLE
+    return None
+
+
+def describe_mismatch(names: List[str], failure: Tuple[int, int]) -> str:
+    """The one-line reason for `first_mismatch`'s finding over `names`."""
+    position, kind = failure
+    if kind == UNREADABLE:
+        return f"{names[position]} could not be read"
+    return f"{names[position]} does not match its checksum (altered or swapped)"
+
+
+def share_of(listed: Dict[str, FileRecord], rank: int, world_size: int) -> List[str]:
+    """The listed files rank `rank` of `world_size` checks, sorted: every file goes to one
+    rank, the largest first to the rank with the fewest bytes so far, so each reads about
+    its part of the bytes. The same on every rank (a pure function of the markers)."""
+    loads = [(0, r) for r in range(world_size)]  # a heap of (bytes so far, rank)
+    mine = []
+    for name, record in sorted(listed.items(), key=lambda item: (-item[1].size, item[0])):
+        taken, owner = heapq.heappop(loads)
+        if owner == rank:
+            mine.append(name)
+        heapq.heappush(loads, (taken + record.size, owner))
+    return sorted(mine)
+
+
+def check_metadata(store: Store, directory: str, listed: Dict[str, FileRecord]) -> None:
+    """Raise `Incomplete` unless `.metadata` unpickles safely (`checkpointing.safe_load`) and
+    every file it stores data in is one a marker lists. Only once its checksum verified."""
     try:
         with store.fs.open(store.path(directory, METADATA_FILE), "rb") as f:
             metadata = load_metadata(f, reuse=True)  # the load that follows reads it
@@ -171,7 +230,6 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
     unlisted = sorted(needed - set(listed))
     if unlisted:
         raise Incomplete(f"{unlisted[0]} is used by {METADATA_FILE} but no marker lists it")
-    return world_size, listed
 
 
 def _check_regular_file(entries: Dict[str, Tuple[bool, int]], name: str) -> None:

@@ -19,24 +19,31 @@ def broadcast_object(obj: Any, group: Optional[dist.ProcessGroup] = None) -> Any
     return box[0]
 
 
-def _vote(flag: bool, op: Any, device: Optional[torch.device],
-          group: Optional[dist.ProcessGroup]) -> bool:
+def _reduce(value: int, op: Any, device: Optional[torch.device],
+            group: Optional[dist.ProcessGroup]) -> int:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return flag
-    vote = torch.tensor([int(flag)], dtype=torch.int32, device=device)  # NCCL: on the GPU
-    dist.all_reduce(vote, op=op, group=group)
-    return bool(vote.item())
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=device)  # NCCL: on the GPU
+    dist.all_reduce(box, op=op, group=group)
+    return int(box.item())
+
+
+def smallest(value: int, device: Optional[torch.device] = None,
+             group: Optional[dist.ProcessGroup] = None) -> int:
+    """The smallest `value` over the ranks of `group` (default: the world), on every rank.
+    A collective: every rank of the group must call it."""
+    return _reduce(value, dist.ReduceOp.MIN, device, group)
 
 
 def any_rank(flag: bool, device: Optional[torch.device] = None,
              group: Optional[dist.ProcessGroup] = None) -> bool:
     """True on every rank of `group` (default: the world) when `flag` is set on any of
     them. A collective: every rank of the group must call it."""
-    return _vote(flag, dist.ReduceOp.MAX, device, group)
+    return bool(_reduce(int(flag), dist.ReduceOp.MAX, device, group))
 
 
 def every_rank(flag: bool, device: Optional[torch.device] = None,
                group: Optional[dist.ProcessGroup] = None) -> bool:
     """True on every rank of `group` (default: the world) when `flag` is set on all of
     them. A collective: every rank of the group must call it."""
-    return _vote(flag, dist.ReduceOp.MIN, device, group)
+    return bool(_reduce(int(flag), dist.ReduceOp.MIN, device, group))

@@ -8,17 +8,20 @@ checked by that directory's absence, not by an error message alone."""
 from __future__ import annotations
 
 import copyreg
+import gc
 import io
 import json
 import logging
 import os
 import pathlib
 import pickle
+import random
 import struct
 import sys
+import tracemalloc
 import zipfile
 from pathlib import Path
-from typing import List, Tuple
+from typing import Callable, List, Tuple
 
 import pytest
 import torch
@@ -247,22 +250,121 @@ def test_a_record_takes_only_its_own_fields(proto):
             load_metadata(io.BytesIO(record(proto, _StorageInfo, state)))
 
 
-@pytest.mark.parametrize("proto", [2, 4, 5])
-def test_metadata_as_dcp_writes_it_loads(proto):
-    """Every record and value DCP's `.metadata` holds still loads: its own BUILDs pass."""
+def dcp_like_metadata(ranks: int = 3) -> Metadata:
+    """Every record and value DCP's `.metadata` holds, a tensor sharded over `ranks`."""
     chunk = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))
-    metadata = Metadata(
+    return Metadata(
         state_dict_metadata={
             "w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16,
                                                         memory_format=torch.channels_last),
                                        torch.Size([2, 3]), [chunk]),
+            "sharded": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32, requires_grad=True),
+                torch.Size([4 * ranks]),
+                [ChunkStorageMetadata(torch.Size([4 * r]), torch.Size([4]))
+                 for r in range(ranks)]),
             "step": BytesStorageMetadata()},
         storage_data={MetadataIndex("w", torch.Size([0, 0]), 0): _StorageInfo("__0_0.distcp",
                                                                                 0, 24),
-                      MetadataIndex("step"): _StorageInfo("__0_0.distcp", 24, 8)},
-        storage_meta=StorageMeta(checkpoint_id=pathlib.PosixPath("/ck/step_1")))
+                      MetadataIndex("step"): _StorageInfo("__0_0.distcp", 24, 8),
+                      **{MetadataIndex("sharded", torch.Size([4 * r]), 0): _StorageInfo(
+                          f"__{r}_0.distcp", 32, 16, ("raw_tensor_little_endian",))
+                         for r in range(ranks)}},
+        storage_meta=StorageMeta(checkpoint_id=pathlib.PosixPath("/ck/step_1")),
+        planner_data={"w": ("w",)})
+
+
+@pytest.mark.parametrize("proto", [2, 4, 5])
+def test_metadata_as_dcp_writes_it_loads(proto):
+    """Every record and value DCP's `.metadata` holds still loads: its own BUILDs pass."""
+    metadata = dcp_like_metadata()
     loaded = load_metadata(io.BytesIO(pickle.dumps(metadata, protocol=proto)))
     assert loaded == metadata
+
+
+def reference_load(data: bytes) -> Metadata:
+    """The standard library's pure-Python unpickler under the same rules: what a file
+    means, by definition."""
+    metadata = safe_load.MetadataUnpickler(io.BytesIO(data)).load()
+    safe_load._check_structure(metadata)
+    return metadata
+
+
+@pytest.mark.parametrize("proto", [2, 3, 4, 5])
+def test_the_fast_path_reads_what_the_reference_unpickler_reads(tmp_path, proto):
+    """Byte for byte the same objects (re-pickled: same types, same sharing); files of the
+    protocols DCP writes (4, and 5 from Python 3.14 on) take the fast path."""
+    real = reference_load(real_metadata(tmp_path))
+    for metadata in (real, dcp_like_metadata()):
+        data = pickle.dumps(metadata, protocol=proto)
+        if proto >= 4:
+            fast = safe_load._parse_common(data)  # no fall-back: _Uncommon would raise
+            assert pickle.dumps(fast) == pickle.dumps(reference_load(data))
+        assert pickle.dumps(load_metadata(io.BytesIO(data))) == pickle.dumps(metadata)
+
+
+def outcome(load: Callable[[], Metadata]) -> Tuple[str, object]:
+    try:
+        return "read", pickle.dumps(load())
+    except Exception as err:
+        return "refused", type(err).__name__ if not isinstance(
+            err, UnsafeCheckpointError) else str(err)
+
+
+def test_a_damaged_metadata_means_what_it_means_to_the_reference_unpickler():
+    """Flipped, dropped, inserted bytes and truncations anywhere (opcodes, lengths, memo
+    indexes, frame sizes): `load_metadata` reads what the reference reads and refuses what
+    it refuses, with the same refusal."""
+    data = pickle.dumps(dcp_like_metadata(), protocol=4)
+    rng = random.Random(7)
+    read = 0
+    for trial in range(1500):
+        damaged = bytearray(data)
+        at = rng.randrange(len(data))
+        if trial % 4 == 0:
+            damaged[at] = rng.randrange(256)
+        elif trial % 4 == 1:
+            damaged[at] ^= 1 << rng.randrange(8)
+        elif trial % 4 == 2:
+            del damaged[at:at + rng.randrange(1, 4)]
+        else:
+            damaged[at:at] = bytes([rng.randrange(256)])
+        damaged = bytes(damaged)
+        expected = outcome(lambda: reference_load(damaged))
+        assert outcome(lambda: load_metadata(io.BytesIO(damaged))) == expected, (trial, at)
+        read += expected[0] == "read"
+    assert 30 < read < 1400  # both kinds of outcome were compared
+
+
+@pytest.mark.parametrize("memo", [b"r\xff\xff\xff\xff", b"r\x00\x00\x00\x40",
+                                  b"p4294967295\n", b"p99999999999999999999\n"])
+def test_a_memo_index_costs_what_it_holds_not_what_its_number_says(memo):
+    """Pickle's C unpickler grows its memo to the largest index a file names (16-64 GB for
+    these 10-byte files); the restricted ones keep a dict."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="not DCP Metadata"):
+            load_metadata(io.BytesIO(b"\x80\x04N" + memo + b"."))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_garbage_collector_is_left_as_it_was(tmp_path, enabled):
+    """A load pauses it (its passes took half the time of a large `.metadata`), read or
+    refused, and puts it back as it found it."""
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        load_metadata(io.BytesIO(pickle.dumps(dcp_like_metadata(), protocol=4)))
+        assert gc.isenabled() is enabled
+        with pytest.raises(UnsafeCheckpointError):
+            load_metadata(io.BytesIO(b"\x80\x04N."))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_metadata_over_the_size_limit_is_refused_unread(monkeypatch):

@@ -4,12 +4,14 @@ CheckpointManager at the launched world size, and report what each rank saw as J
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 import torch
 
 from checkpointing.manager import CheckpointManager, CheckpointOptions
+from checkpointing.storage import Store
 from train.cluster.world import init_world, shutdown_world
 from train.resume.stateful import ModelState, OptimizerState, RNGState
 
@@ -23,10 +25,34 @@ def build(seed: int) -> tuple:
     return model, optimizer
 
 
+def discover(manager: CheckpointManager) -> dict:
+    """The complete checkpoints the ranks agree on, the files whose bytes this rank read
+    for their checksums, and the warnings it logged."""
+    read, warnings = [], []
+    checksum = Store.checksum
+
+    def recorded(store: Store, path: str, algorithm: str) -> str:
+        read.append(Path(path).name)
+        return checksum(store, path, algorithm)
+
+    class Warnings(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    Store.checksum = recorded  # type: ignore[method-assign]
+    logging.getLogger("checkpointing.manager").addHandler(Warnings(logging.WARNING))
+    return {"complete": [list(c) for c in manager.complete_checkpoints()], "read": read,
+            "warnings": warnings}
+
+
 def main(mode: str, directory: str, out: str) -> None:
     world = init_world(torch.device("cpu"), timeout_s=60)
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
                                 world.rank, world.world_size, world.control_group)
+    if mode == "discover":
+        Path(out, f"rank{world.rank}.json").write_text(json.dumps(discover(manager)))
+        shutdown_world()
+        return
     model, optimizer = build(seed=0 if mode == "save" else 99)
     state = {"model": ModelState(model, world.control_group),
              "optim": OptimizerState(model, optimizer), "rng": RNGState(world.rank)}
