@@ -183,13 +183,15 @@ def first_mismatch(store: Store, directory: str, listed: Dict[str, FileRecord],
                    names: List[str]) -> Optional[Tuple[int, int]]:
     """(position in `names`, MISMATCH or UNREADABLE) of the first of `names` whose bytes do
     not match the checksum `listed` records for it, or None when all match. A file the
-    store cannot read (after its retries) is UNREADABLE: not to be trusted either."""
+    store cannot read (after its retries; an object store's client raises errors of its
+    own) is UNREADABLE: not to be trusted either. Never raises for a file: the ranks that
+    share a check must all reach the collective that follows it."""
     for position, name in enumerate(names):
         record = listed[name]
         try:
             if store.checksum(store.path(directory, name), record.algorithm) != record.checksum:
                 return position, MISMATCH
-        except OSError:
+        except Exception:
             return position, UNREADABLE
     return None
 

@@ -593,8 +593,10 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 layout = commit.checked_layout(self.remote, name, step)
-            except (commit.Incomplete, OSError) as why:  # OSError: after the store's retries
+            except commit.Incomplete as why:
                 layout = str(why)
+            except Exception as err:  # after the store's retries; every rank must hear of it
+                layout = f"unreadable ({one_line(err)})"
         layout = self._broadcast(layout)
         why = layout if isinstance(layout, str) else None
         if why is None:
