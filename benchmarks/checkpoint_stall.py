@@ -406,7 +406,9 @@ def measure_training(work: Path, steps: int, intervals: List[int], modes: List[s
                 f"run.name={mode}{interval}", f"checkpoint.interval_steps={interval}",
                 f"checkpoint.async_mode={mode}"]
     samples: Dict[str, Dict[str, List[float]]] = {}
+    by_round: List[Dict[str, Dict[str, float]]] = []  # each round's runs, for paired ratios
     for round_ in range(rounds):
+        by_round.append({})
         # Every other round in reverse: a kind always run first (or last) in a round would
         # carry that position's bias (the first run in a round ran a few % slower here).
         order = list(runs.items()) if round_ % 2 == 0 else list(reversed(runs.items()))
@@ -428,11 +430,20 @@ def measure_training(work: Path, steps: int, intervals: List[int], modes: List[s
             runs_of = samples.setdefault(label, {"whole": [], "steady": [], "wall_s": []})
             for kind, value in (("whole", whole), ("steady", steady), ("wall_s", wall)):
                 runs_of[kind].append(value)
+            by_round[-1][label] = {"whole": whole, "steady": steady}
             print(f"  round {round_}, {label}: {whole:.1f} images/s over the run, "
                   f"{steady:.1f} between the first and last windows, {wall:.1f}s wall",
                   flush=True)
-    return {label: {kind: statistics.median(v) for kind, v in values.items()}
-            for label, values in samples.items()}
+    results = {label: {kind: statistics.median(v) for kind, v in values.items()}
+               for label, values in samples.items()}
+    # The overhead within each round (its two runs back to back) is firmer than the ratio of
+    # medians when the machine's load drifts between rounds.
+    for label in results:
+        for kind in ("whole", "steady"):
+            paired = [runs["no checkpoints"][kind] / runs[label][kind] - 1
+                      for runs in by_round if label in runs and "no checkpoints" in runs]
+            results[label][f"paired {kind}"] = paired
+    return results
 
 
 def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
@@ -490,9 +501,16 @@ def report(stalls: Dict[str, Dict[str, float]], checksums: Dict[str, float],
             overhead = ("" if r is off else
                         f"  overhead: whole run {off['whole'] / r['whole'] - 1:+.1%}, steady "
                         f"{off['steady'] / r['steady'] - 1:+.1%}, wall time ratio "
-                        f"{r['wall_s'] / off['wall_s']:.3f}")
+                        f"{r['wall_s'] / off['wall_s']:.3f}\n{'':20}paired within each "
+                        f"round: whole run {_median_and_rounds(r['paired whole'])}, steady "
+                        f"{_median_and_rounds(r['paired steady'])}")
             print(f"  {label:18} {r['whole']:7.1f} images/s ({r['steady']:.1f} steady) "
                   f"{r['wall_s']:6.1f}s wall (process start to exit){overhead}")
+
+
+def _median_and_rounds(overheads: List[float]) -> str:
+    rounds = " ".join(f"{o:+.1%}" for o in overheads)
+    return f"{statistics.median(overheads):+.1%} (rounds {rounds})" if overheads else "n/a"
 
 
 def main() -> None:
