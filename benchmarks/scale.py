@@ -2,7 +2,7 @@
 
     python benchmarks/scale.py                     # every curve, then docs/scale.png
     python benchmarks/scale.py --only run,ranks    # some of them (run, ranks, torchrun,
-                                                   #  files, cache, state)
+                                                   #  files, s3, cache, state)
 
 Each curve is measured at (at least) three sizes a decade apart and printed with its fitted
 growth: the exponent b of cost ~ size^b (a least-squares line through the log-log points;
@@ -18,6 +18,7 @@ This file is run as a script (not `-m`): torchrun starts it again in new process
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -27,12 +28,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+if TYPE_CHECKING:
+    import s3fs
+
+    from common.seaweedfs import SeaweedFS
 
 DAY = 86_400
 
@@ -197,8 +205,8 @@ def write_checkpoint(directory: Path, step: int, ranks: int) -> None:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties,
-                                                       TensorStorageMetadata)
+                                                       MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
 
     from checkpointing import commit
     from checkpointing.checksums import WRITE_ALGORITHM, hasher
@@ -226,7 +234,9 @@ def write_checkpoint(directory: Path, step: int, ranks: int) -> None:
             TensorProperties(dtype=torch.float32), torch.Size([ranks * chunk]),
             [ChunkStorageMetadata(torch.Size([r * chunk]), torch.Size([chunk]))
              for r in range(ranks)])
-    metadata = pickle.dumps(Metadata(tensors, storage_data=storage))
+    # DCP records where it saved (so two steps' files differ, as in a real run)
+    metadata = pickle.dumps(Metadata(tensors, storage_data=storage, storage_meta=StorageMeta(
+        checkpoint_id=str(directory))))
     (directory / ".metadata").write_bytes(metadata)
     digest = hasher(WRITE_ALGORITHM)
     digest.update(metadata)
@@ -242,6 +252,7 @@ def rank0_costs(work: Path, ranks: int, keep: int = 3) -> Dict[str, float]:
     (`python -m checkpointing.verify`'s check) and resume's discovery of the newest."""
     from checkpointing import commit
     from checkpointing.manager import CheckpointManager, CheckpointOptions
+    from checkpointing.safe_load import MetadataUnpickler, load_metadata
     from checkpointing.storage import Store
     from checkpointing.verify import scrub
 
@@ -271,7 +282,14 @@ def rank0_costs(work: Path, ranks: int, keep: int = 3) -> Dict[str, float]:
                               world_size=ranks)
     costs["retention, fresh process"] = timed(lambda: fresh.apply_retention(steps[-1]))
     costs["verify"] = timed(lambda: scrub(store))
-    costs["resume discovery"] = timed(lambda: next(commit.find_complete(store)))
+    # Resume's check is shared by the ranks: rank 0's part is the markers, its share of
+    # the checksums (1/ranks of the files) and `.metadata` (group=None: no collectives).
+    costs["resume discovery"] = timed(lambda: next(fresh.complete_checkpoints()))
+    data = (root / commit.step_dir_name(steps[-1]) / ".metadata").read_bytes()
+    costs["metadata unpickle"] = timed(lambda: load_metadata(io.BytesIO(data)))
+    # before: the reference unpickler alone, the garbage collector running
+    costs["metadata unpickle, before"] = timed(
+        lambda: MetadataUnpickler(io.BytesIO(data)).load())
     costs["metadata MB"] = (root / commit.step_dir_name(steps[-1]) / ".metadata").stat().st_size / 1e6
     shutil.rmtree(root)
     return costs
@@ -279,15 +297,24 @@ def rank0_costs(work: Path, ranks: int, keep: int = 3) -> Dict[str, float]:
 
 # ---- files: listing, the index, the sampler, the node cache ------------------------------
 
-def make_tree(root: Path, files: int) -> Path:
-    """`root/train/<class>/<file>.JPEG`, empty files (the listing reads no bytes; an empty
-    file takes an inode, no block), 1,000 classes as ImageNet's (fewer for small trees)."""
+def tree_files(files: int) -> Iterator[Tuple[str, str]]:
+    """(class folder, file name) of each of `files` files of a split, 1,000 classes as
+    ImageNet's (fewer for small trees), each class's files together."""
     classes = max(1, min(1000, files // 100))
     for c in range(classes):
-        folder = root / "train" / f"n{c:08d}"
-        folder.mkdir(parents=True)
         for i in range(c * files // classes, (c + 1) * files // classes):
-            os.close(os.open(folder / f"n{c:08d}_{i}.JPEG", os.O_CREAT | os.O_WRONLY, 0o644))
+            yield f"n{c:08d}", f"n{c:08d}_{i}.JPEG"
+
+
+def make_tree(root: Path, files: int) -> Path:
+    """`root/train/<class>/<file>.JPEG` (`tree_files`), empty files (the listing reads no
+    bytes; an empty file takes an inode, no block)."""
+    folder = None
+    for cls, name in tree_files(files):
+        if folder is None or folder.name != cls:
+            folder = root / "train" / cls
+            folder.mkdir(parents=True)
+        os.close(os.open(folder / name, os.O_CREAT | os.O_WRONLY, 0o644))
     return root
 
 
@@ -362,6 +389,92 @@ def file_costs(work: Path, files: int) -> Dict[str, float]:
     sampler = iter(GlobalBatchSampler(plan, seed=0, rank=3))
     next(sampler)
     costs["sampler per step s"] = timed(lambda: [next(sampler) for _ in range(100)]) / 100
+    return costs
+
+
+# ---- files through the S3 API: SeaweedFS on loopback ------------------------------------
+
+S3_BUCKET = "scale"
+
+
+@contextmanager
+def seaweedfs(work: Path) -> Iterator[SeaweedFS]:
+    """A SeaweedFS server (common/seaweedfs.py) on loopback with an empty bucket `S3_BUCKET`;
+    at the end stopped by its pid (SIGTERM, SIGKILL 10 s later) and its data removed."""
+    from common.seaweedfs import SeaweedFS
+
+    server = SeaweedFS(work / "seaweedfs")
+    try:
+        server.start()
+        print(f"  SeaweedFS (pid {server.proc.pid}) at {server.endpoint}", flush=True)
+        s3_client(server).mkdir(S3_BUCKET)
+        yield server
+    finally:
+        proc, began = server.proc, time.perf_counter()
+        server.stop(term_seconds=10)
+        if proc is not None:
+            print(f"  SeaweedFS stopped in {time.perf_counter() - began:.1f} s "
+                  f"(exit {proc.returncode})", flush=True)
+        shutil.rmtree(server.root, ignore_errors=True)
+
+
+def s3_client(server: SeaweedFS) -> s3fs.S3FileSystem:
+    """An s3fs filesystem of its own with the admin's key (the one that creates buckets)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options(admin=True))
+
+
+def upload_tree(client: s3fs.S3FileSystem, prefix: str, files: int, chunk: int = 5_000) -> None:
+    """`prefix/train/<class>/<file>.JPEG` (`tree_files`), empty objects, put by s3fs's
+    `pipe` of a {path: bytes} dict (concurrent PUTs), `chunk` at a time with a progress line."""
+    paths = [f"{prefix}/train/{cls}/{name}" for cls, name in tree_files(files)]
+    began = time.perf_counter()
+    for first in range(0, files, chunk):
+        client.pipe({path: b"" for path in paths[first:first + chunk]})
+        done = min(first + chunk, files)
+        print(f"    uploaded {done:,} / {files:,} objects "
+              f"({done / (time.perf_counter() - began):,.0f}/s)", flush=True)
+
+
+def counted_requests(fs: s3fs.S3FileSystem) -> Counter:
+    """The requests s3fs filesystem `fs` makes from now on, by operation (`list_objects_v2`:
+    one a page of a listing): each one goes through its `_call_s3`, counted here."""
+    calls: Counter = Counter()
+    call_s3 = fs._call_s3
+
+    async def counted(method: str, *args: object, **kwargs: object) -> object:
+        calls[method] += 1
+        return await call_s3(method, *args, **kwargs)
+
+    fs._call_s3 = counted
+    return calls
+
+
+def s3_costs(server: SeaweedFS, work: Path, files: int) -> Dict[str, float]:
+    """Listing and indexing `s3://S3_BUCKET/tree-<files>/train` (as `file_costs` a local
+    tree: `list_split`, with the trainer's key), its S3 requests, the stored index's load."""
+    from data.index import DatasetIndex, list_split
+    from data.volume import Volume
+
+    prefix = f"{S3_BUCKET}/tree-{files}"
+    upload_tree(s3_client(server), prefix, files)
+    volume = Volume(f"s3://{prefix}", storage_options=server.storage_options())
+    volume.fs.connect()  # the session (a fixed cost), before the clock
+    calls = counted_requests(volume.fs)
+    costs: Dict[str, float] = {}
+    began = time.perf_counter()
+    index = list_split(volume, "train")
+    costs["list+index s"] = time.perf_counter() - began
+    if len(index) != files or index.url != f"s3://{prefix}/train":
+        raise RuntimeError(f"listed {len(index):,} of {files:,} objects at {index.url}")
+    costs["LIST requests"] = calls.pop("list_objects_v2", 0)
+    if calls:
+        print(f"    other requests: {dict(calls)}", flush=True)
+    stored = work / f"s3-index-{files}.npz"
+    index.save(stored)
+    costs["load s"] = timed(lambda: DatasetIndex.load(stored))
+    stored.unlink()
     return costs
 
 
@@ -621,6 +734,11 @@ def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve
         for files in (f for f in (10_000, 100_000, 1_000_000) if f <= opts.max_files):
             for name, value in file_costs(work, files).items():
                 add(name, "files", name.split()[-1], files, value)
+    elif group == "s3":
+        with seaweedfs(work) as server:
+            for files in (f for f in (1_000, 10_000, 100_000) if f <= opts.max_files):
+                for name, value in s3_costs(server, work, files).items():
+                    add(f"S3 {name}", "objects", name.split()[-1], files, value)
     elif group == "cache":
         for files in (f for f in (10_000, 100_000, 1_000_000) if f <= opts.max_files):
             for name, value in cache_costs(work, files).items():
@@ -634,10 +752,11 @@ def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve
     return curves
 
 
-GROUPS = ("run", "ranks", "torchrun", "files", "cache", "state")
+GROUPS = ("run", "ranks", "torchrun", "files", "s3", "cache", "state")
 TITLES = {"run": "run length (1,024 ranks, 1 step/s)", "ranks": "rank 0 at a save/resume "
           "(simulated ranks)", "torchrun": "torchrun on CPU (gloo)", "files": "files: listing, "
-          "index, sampler", "cache": "the node cache", "state": "state size (async save vs torch.save, copy)"}
+          "index, sampler", "s3": "files through the S3 API (SeaweedFS on loopback)",
+          "cache": "the node cache", "state": "state size (async save vs torch.save, copy)"}
 
 
 def draw(results: Dict[str, Dict[str, Curve]], out: Path) -> None:
