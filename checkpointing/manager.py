@@ -35,7 +35,7 @@ from checkpointing import commit
 from checkpointing.checksums import WRITE_ALGORITHM
 from checkpointing.commit import FileRecord
 from checkpointing.options import MIN_KEEP_LAST, AsyncMode, CheckpointFormat
-from checkpointing.safe_load import SafeLoadPlanner, safe_reader
+from checkpointing.safe_load import SafeLoadPlanner, forget_parsed, safe_reader
 from checkpointing.staging import WarmStager
 from checkpointing.storage import Store
 from checkpointing.verify import listed_files
@@ -652,20 +652,23 @@ class CheckpointManager:
         `check(step)` may refuse the checkpoint by raising; then `state`, less the top-level
         keys `optional_keys(saved_world_size)` names (e.g. per-rank RNG when the world size
         changed). The one loop of both the trainer's resume and rollback."""
-        for step, saved_world in self.complete_checkpoints():
-            if at_most is not None and step > at_most:
-                continue
-            start = time.perf_counter()
-            if header is not None and not self.load(step, header, partial=True):
-                continue
-            check(step)
-            skip = set(optional_keys(saved_world))
-            if self.load(step, {k: v for k, v in state.items() if k not in skip}):
-                log.info("resumed from %s (step %d, saved at world size %d) in %.1fs",
-                         self.remote.url_of(commit.step_dir_name(step)), step, saved_world,
-                         time.perf_counter() - start)
-                return Loaded(step, saved_world)
-        return None
+        try:
+            for step, saved_world in self.complete_checkpoints():
+                if at_most is not None and step > at_most:
+                    continue
+                start = time.perf_counter()
+                if header is not None and not self.load(step, header, partial=True):
+                    continue
+                check(step)
+                skip = set(optional_keys(saved_world))
+                if self.load(step, {k: v for k, v in state.items() if k not in skip}):
+                    log.info("resumed from %s (step %d, saved at world size %d) in %.1fs",
+                             self.remote.url_of(commit.step_dir_name(step)), step, saved_world,
+                             time.perf_counter() - start)
+                    return Loaded(step, saved_world)
+            return None
+        finally:  # the `.metadata` kept for the load is not needed past it
+            forget_parsed()
 
     def _load_source(self, step: int) -> str:
         """The local tier when every rank holds the same complete step there, else the
