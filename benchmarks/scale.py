@@ -101,9 +101,10 @@ def child(module: str, args: Sequence[str]) -> Tuple[float, float]:
                           text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     seconds = time.perf_counter() - began
     peak = [line for line in proc.stderr.splitlines() if line.startswith("PEAK ")]
-    if proc.returncode != 0 or not peak:
-        raise RuntimeError(f"python -m {module} failed ({proc.returncode}): "
-                           f"{proc.stderr[-500:]}")
+    # A module without a `__main__` guard runs nothing and prints nothing: not a measurement
+    if proc.returncode != 0 or not peak or not proc.stdout.strip():
+        raise RuntimeError(f"python -m {module} failed or printed nothing ({proc.returncode}):"
+                           f" {proc.stderr[-500:]}")
     return seconds, int(peak[-1].split()[1]) / 1024
 
 
@@ -711,7 +712,7 @@ def measure(group: str, work: Path, opts: argparse.Namespace) -> Dict[str, Curve
                 (wrote["bytes"] + saves * 2 * (m.ranks - 1) * per_line) / 1e6)
             add("goodput.json", "days", "MB", days, (run_dir / "goodput.json").stat().st_size / 1e6)
             for name, module, args in (
-                    ("report", "train.records.report", [str(run_dir)]),
+                    ("report", "train.report", [str(run_dir)]),
                     ("plan --from-run", "checkpointing.plan", ["--from-run", str(run_dir),
                                                                "--mtbf-hours", "34"])):
                 seconds, peak = child(module, args)
