@@ -323,6 +323,7 @@ class CheckpointManager:
             for p in mine:
                 self.remote.put(p, self.remote.path(remote_dir, p.name))
                 self.fault_hook("uploading", step)
+            self._check_upload(remote_dir, records)
             commit.write_marker(self.local, partial, step, self.rank,
                                 self.world_size, records, self.attempt)
         self.fault_hook("uploaded", step)
@@ -345,18 +346,29 @@ class CheckpointManager:
             self._clean_local_partials(step)
         self._newest_complete = step
 
+    def _check_upload(self, remote_dir: str, records: Dict[str, FileRecord]) -> None:
+        """Read back what this rank uploaded and check it against the checksums taken as it
+        was written, before its marker vouches for it. The durable copy is so verified once,
+        by the ranks that wrote it, each its own share, rather than by rank 0 alone at every
+        save's retention (a whole 1 B-parameter checkpoint, 12 GB, downloaded each time)."""
+        names = sorted(records)
+        failure = commit.first_mismatch(self.remote, remote_dir, records, names)
+        if failure is not None:
+            raise CheckpointError(f"the upload to {self.remote.url_of(remote_dir)} failed "
+                                  f"its check: {commit.describe_mismatch(names, failure)}")
+
     def _trust_what_was_written(self, step: int) -> None:
-        """Where DCP wrote, every rank's checksums came from the bytes as they were written
-        and fsynced: retention need not read them back (an uploaded copy, which nobody has
-        checked yet, it does read). It must still find every rank's files there: on a job of
-        several nodes, this node's staging holds only its own ranks' (and retention drops
-        that incomplete copy)."""
-        store = self.local or self.remote
-        try:
-            commit.verify(store, commit.step_dir_name(step), step, read_contents=False)
-        except commit.Incomplete:
-            return
-        self._verified.add((store.url, step))
+        """Every rank's checksums came from the bytes as they were written and fsynced, and
+        each rank read back what it uploaded (`_check_upload`): retention need not read them
+        again. It must still find every rank's files in each tier: on a job of several
+        nodes, this node's staging holds only its own ranks' (and retention drops that
+        incomplete copy)."""
+        for store in [self.remote] + ([self.local] if self.local else []):
+            try:
+                commit.verify(store, commit.step_dir_name(step), step, read_contents=False)
+            except commit.Incomplete:
+                continue
+            self._verified.add((store.url, step))
 
     def _written_records(self, target: Path) -> Dict[str, FileRecord]:
         """This rank's files in `target` (rank 0's include `.metadata`), with the checksums

@@ -77,6 +77,19 @@ def test_each_rank_reads_its_share_of_a_checkpoint_to_verify_it(saved_at_two_ran
     assert shares[0] | shares[1] == listed
 
 
+def test_each_rank_checks_its_own_upload_and_rank_0_downloads_none_of_the_others(tmp_path):
+    """Through a staging tier, each rank reads back only the files it uploaded; retention
+    on rank 0 trusts them rather than reading every rank's files back at every save."""
+    reports = run_worker(2, "save-staged", tmp_path / "ckpt", tmp_path / "out")
+    store = Store(str(tmp_path / "ckpt"))
+    assert [s for s, _ in commit.find_complete(store)] == [8, 7]
+    for rank, report in enumerate(reports):
+        uploaded = [name for step in (7, 8) for name in json.loads(
+            (tmp_path / "ckpt" / commit.step_dir_name(step) / commit.marker_name(rank))
+            .read_text())["files"]]
+        assert sorted(report["read"]) == sorted(uploaded), (rank, report["read"])
+
+
 @pytest.mark.parametrize("reader", [0, 1])
 def test_a_file_altered_in_any_ranks_share_fails_the_checkpoint_on_every_rank(
         saved_at_two_ranks, tmp_path, reader):

@@ -179,3 +179,37 @@ def test_a_small_file_that_does_not_fit_leaves_nothing_behind(tmp_path, monkeypa
     with pytest.raises(OSError, match="No space left"):
         Store(str(tmp_path)).check_writable()
     assert os.listdir(tmp_path) == []
+
+
+def test_an_upload_that_arrives_altered_fails_its_save_and_the_next_one_lands(
+        tmp_path, monkeypatch, caplog):
+    """Each rank reads back what it uploaded before its marker vouches for it (so rank 0's
+    retention never downloads a whole checkpoint): a copy that does not match the checksums
+    taken as it was written is a failed upload, never a committed checkpoint."""
+    put = Store.put
+
+    def altering(self, local_file, path):
+        put(self, local_file, path)
+        if path.endswith(".distcp"):
+            with open(path, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+
+    monkeypatch.setattr(Store, "put", altering)
+    root = tmp_path / "ck"
+    mgr = CheckpointManager(CheckpointOptions(dir=str(root), staging_dir=str(tmp_path / "stage"),
+                                              async_mode="off"))
+    job = Job()
+    with caplog.at_level(logging.WARNING):
+        failed = mgr.save(1, job.state()).result()
+    assert not failed.committed and "__0_0.distcp does not match its checksum" in failed.error
+    lines = [r.getMessage() for r in our_records(caplog)]
+    assert lines == [f"checkpoint at step 1 failed: {failed.error} (the newest complete one "
+                     f"is none)"], lines
+    assert not list(root.iterdir())  # nothing half-uploaded is left to be trusted
+    monkeypatch.setattr(Store, "put", put)
+    assert mgr.save(2, job.state()).result().committed
+    mgr.close()
+    assert [p.name for p in root.iterdir()] == ["step_000000002"]

@@ -12,7 +12,7 @@ import torch
 
 from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
-from train.cluster.world import init_world, shutdown_world
+from train.cluster.world import World, init_world, shutdown_world
 from train.resume.stateful import ModelState, OptimizerState, RNGState
 
 
@@ -25,32 +25,58 @@ def build(seed: int) -> tuple:
     return model, optimizer
 
 
-def discover(manager: CheckpointManager) -> dict:
-    """The complete checkpoints the ranks agree on, the files whose bytes this rank read
-    for their checksums, and the warnings it logged."""
-    read, warnings = [], []
+def recording_reads() -> list:
+    """The names of the files whose bytes this process reads for a checksum, from now on."""
+    read: list = []
     checksum = Store.checksum
 
     def recorded(store: Store, path: str, algorithm: str) -> str:
         read.append(Path(path).name)
         return checksum(store, path, algorithm)
 
+    Store.checksum = recorded  # type: ignore[method-assign]
+    return read
+
+
+def discover(manager: CheckpointManager) -> dict:
+    """The complete checkpoints the ranks agree on, the files whose bytes this rank read
+    for their checksums, and the warnings it logged."""
+    warnings = []
+
     class Warnings(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             warnings.append(record.getMessage())
 
-    Store.checksum = recorded  # type: ignore[method-assign]
+    read = recording_reads()
     logging.getLogger("checkpointing.manager").addHandler(Warnings(logging.WARNING))
     return {"complete": [list(c) for c in manager.complete_checkpoints()], "read": read,
             "warnings": warnings}
+
+
+def save_staged(world: World, directory: str, out: str) -> dict:
+    """Two saves through a staging tier (one per node: here both ranks share it); the files
+    whose bytes this rank read for their checksums meanwhile."""
+    manager = CheckpointManager(CheckpointOptions(dir=directory, staging_dir=str(Path(out,
+                                                                                     "stage")),
+                                                  async_mode="thread"),
+                                world.rank, world.world_size, world.control_group)
+    model, optimizer = build(seed=0)
+    state = {"model": ModelState(model, world.control_group),
+             "optim": OptimizerState(model, optimizer)}
+    read = recording_reads()
+    for step in (7, 8):
+        manager.save(step, state)
+    manager.close()
+    return {"read": read}
 
 
 def main(mode: str, directory: str, out: str) -> None:
     world = init_world(torch.device("cpu"), timeout_s=60)
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
                                 world.rank, world.world_size, world.control_group)
-    if mode == "discover":
-        Path(out, f"rank{world.rank}.json").write_text(json.dumps(discover(manager)))
+    if mode in ("discover", "save-staged"):
+        report = discover(manager) if mode == "discover" else save_staged(world, directory, out)
+        Path(out, f"rank{world.rank}.json").write_text(json.dumps(report))
         shutdown_world()
         return
     model, optimizer = build(seed=0 if mode == "save" else 99)
