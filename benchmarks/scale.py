@@ -273,9 +273,9 @@ def rank0_costs(work: Path, ranks: int, keep: int = 3) -> Dict[str, float]:
     costs = {}
 
     def commit_it() -> None:
-        manager._wait_for_markers(partial, steps[-1])
+        markers = manager._wait_for_markers(partial, steps[-1])
         manager._rename_into_place(store, partial, steps[-1])
-        manager._trust_what_was_written(steps[-1])
+        manager._trust_what_was_written(steps[-1], markers)
 
     costs["commit"] = timed(commit_it)
     costs["retention"] = timed(lambda: manager.apply_retention(steps[-1]))

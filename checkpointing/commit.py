@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass
 from itertools import islice
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 from checkpointing.checksums import marker_entry, parse_marker_entry
 from checkpointing.safe_load import METADATA_FILE, UnsafeCheckpointError, load_metadata
@@ -77,12 +77,6 @@ def markers_present(store: Store, directory: str) -> List[int]:
                   if (m := MARKER.match(n)))
 
 
-def marker_attempt(store: Store, directory: str, rank: int) -> Optional[str]:
-    """The save attempt that wrote rank `rank`'s marker (None in markers before attempts were
-    recorded); raises OSError or ValueError when it cannot be read."""
-    return json.loads(store.read_bytes(store.path(directory, marker_name(rank)))).get("attempt")
-
-
 class Incomplete(Exception):
     """Why a checkpoint directory is not complete (one line)."""
 
@@ -114,11 +108,13 @@ def verified_files(store: Store, directory: str, step: int, read_contents: bool 
     return world_size, listed
 
 
-def checked_layout(store: Store, directory: str, step: int
+def checked_layout(store: Store, directory: str, step: int,
+                   markers: Optional[Mapping[str, bytes]] = None
                    ) -> Tuple[int, Dict[str, FileRecord]]:
     """The world size and listed files of `directory`, or `Incomplete`: every marker of one
     save attempt of `step` is there and well formed, and every file they list is a regular
-    file of the size they record. Reads the markers only."""
+    file of the size they record. Reads the markers only, but those in `markers` (by name:
+    already read, by the commit's wait for them)."""
     # One listing gives every file's type and size: per rank, rank 0 then reads only its
     # marker.
     entries = store.entries(store.path(directory))
@@ -136,7 +132,9 @@ def checked_layout(store: Store, directory: str, step: int
         if entries[name][1] > MAX_MARKER_BYTES:
             raise Incomplete(f"{name} is over {MAX_MARKER_BYTES >> 20} MB: not a commit marker")
         try:
-            body = json.loads(store.read_bytes(store.path(directory, name)))
+            raw = (markers or {}).get(name)
+            body = json.loads(raw if raw is not None
+                              else store.read_bytes(store.path(directory, name)))
             files = {n: FileRecord.from_marker(n, f) for n, f in body["files"].items()}
             marker_step, marker_world = int(body["step"]), int(body["world_size"])
             attempts.add(str(body.get("attempt")))

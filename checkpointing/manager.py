@@ -10,6 +10,7 @@ background, one save at a time. See `checkpointing.commit` for what "complete" m
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import shutil
 import sys
@@ -334,13 +335,13 @@ class CheckpointManager:
                      "upload(s)", self.remote.url, step, self.failed_uploads)
             self.failed_uploads = 0
         if self.rank == 0:
-            self._wait_for_markers(remote_dir, step)
+            markers = self._wait_for_markers(remote_dir, step)
             self.fault_hook("committing", step)
             if self.remote.renames:
                 self._rename_into_place(self.remote, partial, step)
             if self.local:
                 self._rename_into_place(self.local, partial, step)
-            self._trust_what_was_written(step)
+            self._trust_what_was_written(step, markers)
             self.apply_retention(step)
         elif self.local and self.local_rank == 0:
             self._clean_local_partials(step)
@@ -357,15 +358,15 @@ class CheckpointManager:
             raise CheckpointError(f"the upload to {self.remote.url_of(remote_dir)} failed "
                                   f"its check: {commit.describe_mismatch(names, failure)}")
 
-    def _trust_what_was_written(self, step: int) -> None:
+    def _trust_what_was_written(self, step: int, markers: Dict[str, bytes]) -> None:
         """Every rank's checksums came from the bytes as they were written and fsynced, and
         each rank read back what it uploaded (`_check_upload`): retention need not read them
         again. It must still find every rank's files in each tier: on a job of several
         nodes, this node's staging holds only its own ranks' (and retention drops that
-        incomplete copy)."""
-        for store in [self.remote] + ([self.local] if self.local else []):
+        incomplete copy). `markers`: the remote's, as the wait for them read them."""
+        for store, read in [(self.remote, markers)] + ([(self.local, {})] if self.local else []):
             try:
-                commit.verify(store, commit.step_dir_name(step), step, read_contents=False)
+                commit.checked_layout(store, commit.step_dir_name(step), step, read)
             except commit.Incomplete:
                 continue
             self._verified.add((store.url, step))
@@ -383,33 +384,38 @@ class CheckpointManager:
             records[name] = FileRecord(size, checksum, WRITE_ALGORITHM)
         return records
 
-    def _wait_for_markers(self, directory: str, step: int) -> None:
+    def _wait_for_markers(self, directory: str, step: int) -> Dict[str, bytes]:
         """Until every rank's marker of this attempt is in `directory`. On an object store
         `step_X` may hold a dead attempt's markers: those of ranks past this world size are
-        removed (they would make it incomplete for good), the others wait to be replaced."""
+        removed (they would make it incomplete for good), the others wait to be replaced.
+        Returns the markers it read, by name (an object store's: each read once a save)."""
         deadline = time.monotonic() + self.options.commit_timeout_s
-        ours: set = set()
+        ours: Dict[int, Optional[bytes]] = {}
         while len(ours) < self.world_size:
-            for rank in set(commit.markers_present(self.remote, directory)) - ours:
+            for rank in set(commit.markers_present(self.remote, directory)) - set(ours):
                 if self.remote.renames:  # a partial directory is this attempt's own
-                    ours.add(rank)
+                    ours[rank] = None
                 elif rank >= self.world_size:
                     self.remote.remove(self.remote.path(directory, commit.marker_name(rank)))
-                elif self._marker_is_ours(directory, rank):
-                    ours.add(rank)
+                elif (body := self._our_marker(directory, rank)) is not None:
+                    ours[rank] = body
             if len(ours) == self.world_size:
-                return
+                return {commit.marker_name(r): b for r, b in ours.items() if b is not None}
             if time.monotonic() > deadline:
                 raise CheckpointError(
                     f"checkpoint step {step}: not every rank committed within "
                     f"{self.options.commit_timeout_s:.0f}s; it stays partial and is ignored")
             time.sleep(0.05 if self.remote.is_local else 0.5)  # an object store bills LISTs
+        return {}
 
-    def _marker_is_ours(self, directory: str, rank: int) -> bool:
+    def _our_marker(self, directory: str, rank: int) -> Optional[bytes]:
+        """Rank `rank`'s marker in `directory` when this save attempt wrote it, else None
+        (gone, not JSON, or a dead attempt's)."""
         try:
-            return commit.marker_attempt(self.remote, directory, rank) == self.attempt
-        except (OSError, ValueError, AttributeError):  # gone, or not JSON: not ours
-            return False
+            body = self.remote.read_bytes(self.remote.path(directory, commit.marker_name(rank)))
+            return body if json.loads(body).get("attempt") == self.attempt else None
+        except (OSError, ValueError, AttributeError):
+            return None
 
     def _rename_into_place(self, store: Store, partial: str, step: int) -> None:
         final = commit.step_dir_name(step)

@@ -10,6 +10,7 @@ from pathlib import Path
 from checkpointing import commit, verify
 from checkpointing.checksums import WRITE_ALGORITHM, hasher
 from checkpointing.commit import FileRecord
+from checkpointing.manager import CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
 from support.tiny_job import Job, manager
 
@@ -163,3 +164,30 @@ def test_an_eviction_scans_the_cache_without_holding_the_state_lock(tmp_path, mo
     files = [p for p in (tmp_path / "objects").rglob("*") if p.is_file()]
     assert cache.usage_bytes() == sum(p.stat().st_size for p in files)
     assert (cache.get("k29", lambda: b"")[1]).hit  # the newest fills stayed
+
+
+def test_a_save_to_an_object_store_reads_each_marker_once(tmp_path, monkeypatch):
+    """Rank 0's commit on a store without rename (an object store: each rank uploads
+    straight into `step_X/`) reads every rank's marker to know it is this attempt's; the
+    check before retention trusts the save uses those, rather than a second request per
+    rank per save. Played on a local directory told it cannot rename."""
+    reads: Counter = Counter()
+    read_bytes = Store.read_bytes
+
+    def counted(self, path):
+        if self.url == str(tmp_path / "bucket"):
+            reads[Path(path).name] += 1
+        return read_bytes(self, path)
+
+    monkeypatch.setattr(Store, "read_bytes", counted)
+    mgr = CheckpointManager(CheckpointOptions(dir=str(tmp_path / "bucket"),
+                                              staging_dir=str(tmp_path / "stage"),
+                                              async_mode="off"))
+    mgr.remote.renames = False
+    job = Job()
+    for step in (1, 2):
+        reads.clear()
+        assert mgr.save(step, job.state()).result().committed
+        assert reads[commit.marker_name(0)] == 1, reads
+    mgr.close()
+    assert [s for s, _ in commit.find_complete(Store(str(tmp_path / "bucket")))] == [2, 1]
