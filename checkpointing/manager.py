@@ -184,9 +184,10 @@ class CheckpointManager:
     def __init__(self, options: CheckpointOptions, rank: int = 0, world_size: int = 1,
                  process_group: Optional[dist.ProcessGroup] = None,
                  fault_hook: Callable[[str, int], None] = lambda phase, step: None,
-                 local_rank: int = 0) -> None:
+                 local_rank: int = 0, node_rank: int = 0) -> None:
         self.options, self.rank, self.world_size = options, rank, world_size
         self.local_rank = local_rank  # rank within this node: 0 cleans the node's staging
+        self.node_rank = node_rank  # torchrun's agent (node): ranks of one share its staging
         self.group = process_group
         self.fault_hook = fault_hook  # tests and demos inject crashes at named phases
         self.remote = Store(options.dir, options.storage_options)
@@ -642,11 +643,13 @@ class CheckpointManager:
                         self.remote.url_of(name), why)
         return None
 
-    def load(self, step: int, state: Dict[str, Any], partial: bool = False) -> bool:
+    def load(self, step: int, state: Dict[str, Any], partial: bool = False,
+             source: Optional[str] = None) -> bool:
         """Load checkpoint `step` into `state` on every rank; False, with one warning, when it
         fails to load (e.g. a re-signed hostile pickle), like an incomplete one. `partial`:
-        keys `state` has and the checkpoint lacks keep their live values."""
-        source = self._load_source(step)
+        keys `state` has and the checkpoint lacks keep their live values. `source`: where
+        to read it, as `_load_source` chose (default: choose now)."""
+        source = source or self._load_source(step)
         local = source != self.remote.url_of(commit.step_dir_name(step))
         try:
             dcp.load(state, storage_reader=safe_reader(source, local,
@@ -675,11 +678,13 @@ class CheckpointManager:
                 if at_most is not None and step > at_most:
                     continue
                 start = time.perf_counter()
-                if header is not None and not self.load(step, header, partial=True):
+                source = self._load_source(step)  # once: it reads the local copy's bytes
+                if header is not None and not self.load(step, header, True, source):
                     continue
                 check(step)
                 skip = set(optional_keys(saved_world))
-                if self.load(step, {k: v for k, v in state.items() if k not in skip}):
+                if self.load(step, {k: v for k, v in state.items() if k not in skip},
+                             source=source):
                     log.info("resumed from %s (step %d, saved at world size %d) in %.1fs",
                              self.remote.url_of(commit.step_dir_name(step)), step, saved_world,
                              time.perf_counter() - start)
@@ -690,21 +695,33 @@ class CheckpointManager:
 
     def _load_source(self, step: int) -> str:
         """The local tier when every rank holds the same complete step there, else the
-        remote (as a URL DCP's readers understand)."""
+        remote (as a URL DCP's readers understand). A collective. Ranks of one node read one
+        copy, so they share its checksums as resume shares the remote's (`_verify_together`);
+        across nodes, each rank checks the whole copy it would read."""
         name = commit.step_dir_name(step)
-        local_ok = False
-        if self.staging and (self.staging / name).is_dir():
-            try:
-                commit.verify(self.local, name, step)  # checksums too: these bytes get loaded
-                local_ok = all(
-                    self.local.read_bytes(self.local.path(name, commit.marker_name(r)))
-                    == self.remote.read_bytes(self.remote.path(name, commit.marker_name(r)))
-                    for r in commit.markers_present(self.local, name))
-            except (commit.Incomplete, OSError):
-                pass
-        if self._all_true(local_ok):
-            return str(self.staging / name)
+        listed = self._local_copy(name, step)
+        if self._all_true(listed is not None):
+            one_node = self._all_true(self.node_rank == 0)
+            names = (commit.share_of(listed, self.rank, self.world_size) if one_node
+                     else sorted(listed))
+            if self._all_true(commit.first_mismatch(self.local, name, listed, names) is None):
+                return str(self.staging / name)
         return self.remote.url_of(name)
+
+    def _local_copy(self, name: str, step: int) -> Optional[Dict[str, FileRecord]]:
+        """The files of this node's staging copy of `name` when it is complete and signed by
+        the same markers as the remote copy (whose `.metadata` resume has checked: the same
+        checksum is the same bytes), else None."""
+        if not (self.staging and (self.staging / name).is_dir()):
+            return None
+        try:
+            _, listed = commit.checked_layout(self.local, name, step)
+            same = all(self.local.read_bytes(self.local.path(name, commit.marker_name(r)))
+                       == self.remote.read_bytes(self.remote.path(name, commit.marker_name(r)))
+                       for r in commit.markers_present(self.local, name))
+        except (commit.Incomplete, OSError):
+            return None
+        return listed if same else None
 
     def has_any_checkpoint(self) -> bool:
         return bool(commit.committed_steps(self.remote))

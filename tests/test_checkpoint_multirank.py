@@ -72,7 +72,7 @@ def test_each_rank_reads_its_share_of_a_checkpoint_to_verify_it(saved_at_two_ran
     reports = run_worker(2, "discover", root / "ckpt", tmp_path)
     assert [r["complete"] for r in reports] == [[[7, 2]], [[7, 2]]]
     listed = set(commit.verified_files(Store(str(root / "ckpt")), "step_000000007", 7)[1])
-    shares = [set(r["read"]) for r in reports]
+    shares = [{Path(p).name for p in r["read"]} for r in reports]
     assert shares[0] and shares[1] and not shares[0] & shares[1], shares
     assert shares[0] | shares[1] == listed
 
@@ -87,7 +87,21 @@ def test_each_rank_checks_its_own_upload_and_rank_0_downloads_none_of_the_others
         uploaded = [name for step in (7, 8) for name in json.loads(
             (tmp_path / "ckpt" / commit.step_dir_name(step) / commit.marker_name(rank))
             .read_text())["files"]]
-        assert sorted(report["read"]) == sorted(uploaded), (rank, report["read"])
+        assert sorted(Path(p).name for p in report["read"]) == sorted(uploaded), (rank, report)
+
+
+def test_a_resume_from_one_nodes_staging_copy_shares_its_checksums_too(tmp_path):
+    """The node's ranks read one local copy: each checks its share of it, as of the
+    durable copy, instead of each reading all of it (8 x the checkpoint on an 8-GPU node)."""
+    run_worker(2, "save-staged", tmp_path / "ckpt", tmp_path / "out")
+    reports = run_worker(2, "load-staged", tmp_path / "ckpt", tmp_path / "out")
+    assert [r["step"] for r in reports] == [8, 8]
+    listed = commit.verified_files(Store(str(tmp_path / "ckpt")), "step_000000008", 8)[1]
+    for root in (tmp_path / "ckpt", tmp_path / "out" / "stage"):  # durable, then local
+        shares = [{Path(p).name for p in r["read"] if Path(p).parent.parent == root}
+                  for r in reports]
+        assert shares[0] and shares[1] and not shares[0] & shares[1], (root, shares)
+        assert shares[0] | shares[1] == set(listed), (root, shares)
 
 
 @pytest.mark.parametrize("reader", [0, 1])

@@ -26,12 +26,12 @@ def build(seed: int) -> tuple:
 
 
 def recording_reads() -> list:
-    """The names of the files whose bytes this process reads for a checksum, from now on."""
+    """The paths of the files whose bytes this process reads for a checksum, from now on."""
     read: list = []
     checksum = Store.checksum
 
     def recorded(store: Store, path: str, algorithm: str) -> str:
-        read.append(Path(path).name)
+        read.append(path)
         return checksum(store, path, algorithm)
 
     Store.checksum = recorded  # type: ignore[method-assign]
@@ -53,9 +53,9 @@ def discover(manager: CheckpointManager) -> dict:
             "warnings": warnings}
 
 
-def save_staged(world: World, directory: str, out: str) -> dict:
-    """Two saves through a staging tier (one per node: here both ranks share it); the files
-    whose bytes this rank read for their checksums meanwhile."""
+def staged(world: World, directory: str, out: str, mode: str) -> dict:
+    """Two saves through a staging tier (one per node: here both ranks share it), or a
+    resume with it; the files whose bytes this rank read for their checksums meanwhile."""
     manager = CheckpointManager(CheckpointOptions(dir=directory, staging_dir=str(Path(out,
                                                                                      "stage")),
                                                   async_mode="thread"),
@@ -64,18 +64,21 @@ def save_staged(world: World, directory: str, out: str) -> dict:
     state = {"model": ModelState(model, world.control_group),
              "optim": OptimizerState(model, optimizer)}
     read = recording_reads()
-    for step in (7, 8):
-        manager.save(step, state)
-    manager.close()
-    return {"read": read}
+    if mode == "save-staged":
+        for step in (7, 8):
+            manager.save(step, state)
+        manager.close()
+        return {"read": read}
+    return {"step": manager.load_latest(state).step, "read": read}
 
 
 def main(mode: str, directory: str, out: str) -> None:
     world = init_world(torch.device("cpu"), timeout_s=60)
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
                                 world.rank, world.world_size, world.control_group)
-    if mode in ("discover", "save-staged"):
-        report = discover(manager) if mode == "discover" else save_staged(world, directory, out)
+    if mode in ("discover", "save-staged", "load-staged"):
+        report = (discover(manager) if mode == "discover"
+                  else staged(world, directory, out, mode))
         Path(out, f"rank{world.rank}.json").write_text(json.dumps(report))
         shutdown_world()
         return

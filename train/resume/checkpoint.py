@@ -57,7 +57,7 @@ def build_manager(cfg: DictConfig, paths: RunPaths, world: World,
                                     world.control_group,
                                     fault_hook=lambda phase, step: faults.at(
                                         "save", phase=phase, step=step),
-                                    local_rank=world.local_rank)
+                                    local_rank=world.local_rank, node_rank=world.node_rank)
     except ValueError as err:  # also a checkpoint.dir URL that fsspec cannot open
         raise ConfigError(str(err)) from None
     manager.check_storage()
