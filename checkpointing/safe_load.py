@@ -132,6 +132,65 @@ def _set_state(inst: Any, state: Any) -> None:
                                     f"fields")
 
 
+def _new(cls: Any, args: Any) -> Any:
+    """Pickle's NEWOBJ, admitted only as DCP's records' own pickling uses it: a new record,
+    no arguments (`cls.__new__(cls, *args)` copies a shared list each time: quadratic)."""
+    # `type(cls)` first: a tuple's hash walks all it holds (`_key`)
+    if type(cls) is not type or cls not in _RECORDS or args != ():
+        name = getattr(cls, "__name__", type(cls).__name__)
+        raise UnsafeCheckpointError(f"refusing to make a {_shown(name)} that way: DCP "
+                                    f"metadata only makes its records, bare")
+    return cls.__new__(cls)
+
+
+# What REDUCE may call: the values DCP's records hold (the classes of `_RECORDS` are built
+# by NEWOBJ + BUILD, their own pickling, never by a call), by identity, as hashing what a
+# file put on the stack is not bounded (`_key`).
+_CALLS = {id(f): f for f in (torch.Size, _layout_named, pathlib.PosixPath,
+                             _MEM_FORMAT_ENCODING)}
+# A torch.Size's dims, a path's parts: more than any tensor or checkpoint path has. Each
+# call is bounded because two bytes (BINGET) hand it the same list again and again: a 1 MB
+# file of one list of a million dims, made a torch.Size a thousand times, took 8 GB.
+_MAX_PARTS = 64
+_MAX_PATH = 4096  # bytes, Linux's PATH_MAX
+
+
+def _call(func: Any, args: Any) -> Any:
+    """Pickle's REDUCE, of `_CALLS` only, each with the few small arguments DCP's pickling
+    gives it: a tensor's dims, a path's parts, a layout's name, a memory format's number."""
+    if _CALLS.get(id(func)) is not func or type(args) is not tuple:
+        name = getattr(func, "__name__", type(func).__name__)
+        raise UnsafeCheckpointError(f"refusing to call {_shown(name)}: DCP metadata never "
+                                    f"does")
+    if func is torch.Size:
+        fits = len(args) == 1 and type(args[0]) in (tuple, list) and len(args[0]) <= _MAX_PARTS
+    elif func is pathlib.PosixPath:
+        fits = (len(args) <= _MAX_PARTS and all(type(a) is str for a in args)
+                and sum(map(len, args)) <= _MAX_PATH)
+    elif func is _MEM_FORMAT_ENCODING:  # looked up by hashing its value
+        fits = len(args) == 1 and type(args[0]) is int and args[0].bit_length() < 64
+    else:
+        fits = True  # _layout_named: checks its argument itself
+    value = func(*args) if fits else None
+    if not fits or (func is pathlib.PosixPath and len(value.parts) > _MAX_PARTS):
+        raise UnsafeCheckpointError(f"refusing a {_shown(func.__name__)} of other arguments "
+                                    f"than DCP's (a few small values)")
+    return value
+
+
+def _key(key: Any) -> Any:
+    """A dict key (or set member) as DCP's are, a name or a `MetadataIndex` of one, since
+    storing it hashes it: a tuple's hash walks all it holds, and takes 2^60 steps for sixty
+    nested pairs of a few bytes each (BINGET twice, TUPLE2), or overflows the C stack for a
+    million nested tuples."""
+    if type(key) is str or (type(key) is MetadataIndex
+                            and type(getattr(key, "fqn", None)) is str
+                            and type(getattr(key, "offset", None)) in (torch.Size, type(None))):
+        return key  # a torch.Size is at most _MAX_PARTS ints (`_call`)
+    raise UnsafeCheckpointError(f"refusing a {_shown(type(key).__name__)} as a key: DCP "
+                                f"metadata's keys are names and MetadataIndex")
+
+
 # The pure-Python unpickler, because the C one's BUILD cannot be intercepted (and the C
 # one's memo takes a list as long as the largest index a file names: 32 GB for a 10-byte
 # file). `_parse_common` reads the opcodes DCP's pickles use under the same rules, faster;
@@ -148,6 +207,57 @@ class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def find_class(self, module: str, name: str) -> Any:
         return _allowed(module, name)
 
+    # Calls and hashing under `_new`, `_call` and `_key`, as in `_parse_common`.
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = _call(self.stack[-1], args)
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        self.stack[-1] = _new(self.stack[-1], args)
+
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        self.stack[-1] = _new(self.stack[-1], args if kwargs == {} else None)
+
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+
+    def _instantiate(self, klass: Any, args: List[Any]) -> None:  # OBJ and INST
+        self.append(_call(klass, tuple(args)) if args or not isinstance(klass, type)
+                    else _new(klass, ()))
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self.stack[-1][_key(key)] = value
+
+    dispatch[pickle.SETITEM[0]] = load_setitem
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        for i in range(0, len(items), 2):
+            target[_key(items[i])] = items[i + 1]
+
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        self.append({_key(items[i]): items[i + 1] for i in range(0, len(items), 2)})
+
+    dispatch[pickle.DICT[0]] = load_dict
+
+    def load_set(self) -> None:  # ADDITEMS and FROZENSET hash their items
+        raise UnsafeCheckpointError("refusing a set: DCP metadata never holds one")
+
+    dispatch[pickle.ADDITEMS[0]] = load_set
+    dispatch[pickle.FROZENSET[0]] = load_set
+
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError("refusing a persistent id: DCP metadata never holds one")
 
@@ -156,9 +266,6 @@ class _Uncommon(Exception):
     """`_parse_common` met what DCP's own pickling never writes, or a damaged file."""
 
 
-# What REDUCE may call in the common path: the values DCP's records hold. The classes of
-# `_RECORDS` are built by NEWOBJ + BUILD (their own pickling), never by a call.
-_CALLS = frozenset({torch.Size, _layout_named, pathlib.PosixPath, _MEM_FORMAT_ENCODING})
 _UNPACK_I4 = struct.Struct("<i").unpack_from
 _UNPACK_U4 = struct.Struct("<I").unpack_from
 _UNPACK_U2 = struct.Struct("<H").unpack_from
@@ -210,7 +317,7 @@ def _parse_common(data: bytes) -> Any:
         elif op == 0x81:  # NEWOBJ
             args = stack.pop()
             cls = stack[-1]
-            if args != () or cls not in _RECORDS:
+            if args != () or type(cls) is not type or cls not in _RECORDS:  # as `_new`
                 raise _Uncommon
             stack[-1] = cls.__new__(cls)
         elif op == 0x62:  # BUILD
@@ -226,19 +333,17 @@ def _parse_common(data: bytes) -> Any:
             if type(target) is not dict or len(items) % 2:
                 raise _Uncommon
             for k in range(0, len(items), 2):
-                target[items[k]] = items[k + 1]
+                key = items[k]
+                target[key if type(key) is str else _key(key)] = items[k + 1]
         elif op == 0x73:  # SETITEM
             value = stack.pop()
             key = stack.pop()
             if type(stack[-1]) is not dict:
                 raise _Uncommon
-            stack[-1][key] = value
+            stack[-1][_key(key)] = value
         elif op == 0x52:  # REDUCE
             args = stack.pop()
-            func = stack[-1]
-            if func not in _CALLS or type(args) is not tuple:
-                raise _Uncommon
-            stack[-1] = func(*args)
+            stack[-1] = _call(stack[-1], args)
         elif op == 0x8c:  # SHORT_BINUNICODE
             n = data[i]
             i += 1

@@ -352,6 +352,80 @@ def test_a_memo_index_costs_what_it_holds_not_what_its_number_says(memo):
     assert peak < 1 << 20
 
 
+def binget(index: int) -> bytes:
+    return b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+
+
+def nested_pairs(depth: int) -> bytes:
+    """Protocol 4 opcodes leaving T0 .. T`depth` on the stack (and memo), T0 = (None,) and
+    each T = (previous, previous): a few bytes a level, 2^depth steps to hash the last."""
+    return b"N\x85\x94" + b"".join(binget(d - 1) * 2 + b"\x86\x94" for d in range(1, depth + 1))
+
+
+def test_nothing_a_file_puts_on_the_stack_is_hashed_without_bound(tmp_path):
+    """A tuple's hash walks everything it holds: sixty nested pairs (a 370-byte file) take
+    2^60 steps, a few hundred thousand nested tuples overflow the C stack. Whatever a file
+    names as a callable, a class, a key or an enum value is refused before it is hashed, by
+    the fast path and the reference alike (checked in a child: hashing never returns)."""
+    enum = push_str("torch.distributed.checkpoint.metadata") + push_str(
+        "_MEM_FORMAT_ENCODING") + b"\x93"
+    payloads = {
+        "REDUCE of a tuple": nested_pairs(60) + b")R.",
+        "NEWOBJ of a tuple": nested_pairs(60) + b")\x81.",
+        "SETITEM": b"}" + nested_pairs(60) + b"Ns.",
+        "SETITEMS": b"}(" + nested_pairs(60) + b"u.",
+        "an enum's value": nested_pairs(60) + enum + binget(60) + b"\x85R.",
+        "deeply nested key": b"}N" + b"\x85" * 300_000 + b"Ns.",
+    }
+    for name, payload in payloads.items():
+        (tmp_path / name).write_bytes(header(4) + payload)
+    child = (
+        "import io, pathlib, sys\n"
+        "from checkpointing import safe_load\n"
+        "for path in sorted(pathlib.Path(sys.argv[1]).iterdir()):\n"
+        "    data = path.read_bytes()\n"
+        "    seen = []\n"
+        "    for load in (lambda: safe_load.load_metadata(io.BytesIO(data)),\n"
+        "                 lambda: safe_load.MetadataUnpickler(io.BytesIO(data)).load()):\n"
+        "        try:\n"
+        "            load()\n"
+        "            seen.append('read')\n"
+        "        except safe_load.UnsafeCheckpointError as err:\n"
+        "            seen.append(str(err))\n"
+        "    print(path.name, *seen, sep='\\t')\n")
+    result = run(PYTHON, ["-c", child, str(tmp_path)], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(payloads), result.stdout
+    for line in lines:
+        name, fast, reference = line.split("\t")
+        assert fast == reference and fast.startswith("refusing"), line
+
+
+def test_a_call_never_copies_a_shared_list_over_and_over():
+    """torch.Size copies its dims and PosixPath parses its parts: given one memoized list
+    or string again and again (BINGET: two bytes), a 1 MB file took gigabytes. A call takes
+    the few small arguments DCP's pickling gives it, or the file is refused."""
+    size = push_str("torch") + push_str("Size") + b"\x93\x94"  # memo 0
+    path = push_str("pathlib") + push_str("PosixPath") + b"\x93\x94"
+    shared = {  # memo 1: what each call is given; the call, a hundred times over
+        "dims": (size + b"](" + b"\x89" * 100_000 + b"e\x94", binget(1) + b"\x85R"),
+        "path": (path + push_str("a/" * 50_000) + b"\x94", binget(1) + b"\x85R"),
+        "parts": (path + b"(" + push_str("a") * 100_000 + b"t\x94", binget(1) + b"R")}
+    for name, (made, call) in shared.items():
+        payload = header(4) + made + (binget(0) + call) * 100 + b"."
+        tracemalloc.start()
+        try:
+            with pytest.raises(UnsafeCheckpointError):
+                load_metadata(io.BytesIO(payload))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, (name, peak)
+    assert load_metadata(io.BytesIO(pickle.dumps(dcp_like_metadata(), protocol=4))) == \
+        dcp_like_metadata()  # DCP's own calls pass
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_garbage_collector_is_left_as_it_was(tmp_path, enabled):
     """A load pauses it (its passes took half the time of a large `.metadata`), read or
