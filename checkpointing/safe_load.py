@@ -456,6 +456,14 @@ def _check_structure(metadata: Any) -> None:
         raise UnsafeCheckpointError(f"{METADATA_FILE} holds a {type(metadata).__name__}, "
                                     f"not DCP Metadata")
     entries = metadata.state_dict_metadata
+    # DCP gives each tensor a record and a chunk list of its own. Shared by many names
+    # (BINGET: two bytes each), one list of 100,000 chunks under 4,000 names (240 KB) took
+    # 36 s to check here, a 2 MB file hours, and DCP's planning walks each tensor's list.
+    tensors = ([v for v in entries.values() if isinstance(v, TensorStorageMetadata)]
+               if isinstance(entries, dict) else [])
+    if len({id(part) for v in tensors for part in (v, getattr(v, "chunks", None))}
+           ) != 2 * len(tensors):
+        raise UnsafeCheckpointError(f"{METADATA_FILE}: tensors share their records")
     if not isinstance(entries, dict) or not all(
             isinstance(k, str) and (isinstance(v, BytesStorageMetadata) or (
                 isinstance(v, TensorStorageMetadata) and isinstance(v.size, torch.Size)
