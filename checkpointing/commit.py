@@ -29,7 +29,7 @@ from itertools import islice
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 from checkpointing.checksums import marker_entry, parse_marker_entry
-from checkpointing.safe_load import METADATA_FILE, UnsafeCheckpointError, load_metadata
+from checkpointing.safe_load import METADATA_FILE, UnsafeCheckpointError, _shown, load_metadata
 from checkpointing.storage import Store
 
 STEP_DIR = re.compile(r"^step_(\d{9})$")
@@ -169,7 +169,7 @@ def checked_layout(store: Store, directory: str, step: int,
         _check_regular_file(entries, name)
         size = entries[name][1]
         if size != record.size:
-            raise Incomplete(f"{name} is {size} bytes, its marker says {record.size}")
+            raise Incomplete(f"{_shown(name)} is {size} bytes, its marker says {record.size}")
     return world_size, listed
 
 
@@ -198,8 +198,8 @@ def describe_mismatch(names: List[str], failure: Tuple[int, int]) -> str:
     """The one-line reason for `first_mismatch`'s finding over `names`."""
     position, kind = failure
     if kind == UNREADABLE:
-        return f"{names[position]} could not be read"
-    return f"{names[position]} does not match its checksum (altered or swapped)"
+        return f"{_shown(names[position])} could not be read"
+    return f"{_shown(names[position])} does not match its checksum (altered or swapped)"
 
 
 def share_of(listed: Dict[str, FileRecord], rank: int, world_size: int) -> List[str]:
@@ -229,16 +229,20 @@ def check_metadata(store: Store, directory: str, listed: Dict[str, FileRecord]) 
     needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
     unlisted = sorted(needed - set(listed))
     if unlisted:
-        raise Incomplete(f"{unlisted[0]} is used by {METADATA_FILE} but no marker lists it")
+        raise Incomplete(f"{_shown(unlisted[0])} is used by {METADATA_FILE} but no marker "
+                         f"lists it")
 
 
 def _check_regular_file(entries: Dict[str, Tuple[bool, int]], name: str) -> None:
     """A checkpoint holds regular files only: a link may point at /dev/zero, a FIFO or a
-    file outside the checkpoint, and reading those hangs or leaks."""
+    file outside the checkpoint, and reading those hangs or leaks. A name is shown as one
+    short line (`_shown`): a marker may list anything, a newline that forges a log line of
+    its own or megabytes of one name."""
     if name not in entries:
-        raise Incomplete(f"{name} is missing")
+        raise Incomplete(f"{_shown(name)} is missing")
     if not entries[name][0]:
-        raise Incomplete(f"{name} is not a regular file (a symlink, device or directory)")
+        raise Incomplete(f"{_shown(name)} is not a regular file (a symlink, device or "
+                         f"directory)")
 
 
 def committed_steps(store: Store) -> List[int]:

@@ -123,6 +123,30 @@ def test_a_file_altered_in_any_ranks_share_fails_the_checkpoint_on_every_rank(
     assert reports[1]["warnings"] == []  # one line, from rank 0
 
 
+@pytest.mark.parametrize("name,present", [("y\nINFO resumed from step 99", True),
+                                          ("x\nWARNING forged" + "n" * 1_000_000, False)])
+def test_a_name_a_marker_lists_is_one_short_line_in_the_warning(saved_at_two_ranks, tmp_path,
+                                                                  name, present):
+    """A marker may list any name: a newline in it would forge a log line of its own (the
+    file there, its checksum wrong, or missing), a megabyte of name a megabyte warning."""
+    root, _ = saved_at_two_ranks
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt", ckpt)
+    step_dir = ckpt / "step_000000007"
+    if present:
+        (step_dir / name).write_bytes(b"abc")
+    marker = step_dir / "commit_rank_1.json"
+    body = json.loads(marker.read_text())
+    body["files"][name] = {"size": 3, "xxh3_64": "0" * 16}
+    marker.write_text(json.dumps(body))
+    reports = run_worker(2, "discover", ckpt, tmp_path / "out")
+    assert [r["complete"] for r in reports] == [[], []]
+    [warning] = reports[0]["warnings"]
+    assert "\n" not in warning and len(warning) < 500, warning[:1000]
+    assert ("y\\nINFO resumed" if present else "x\\nWARNING forged") in warning
+    assert reports[1]["warnings"] == []
+
+
 def test_a_marker_survives_rank_0_committing_its_directory_the_moment_it_appears(
         tmp_path, monkeypatch):
     """Rank 0 renames the partial directory as soon as the last marker is visible, which
