@@ -220,7 +220,7 @@ def check_metadata(store: Store, directory: str, listed: Dict[str, FileRecord]) 
     """Raise `Incomplete` unless `.metadata` unpickles safely (`checkpointing.safe_load`) and
     every file it stores data in is one a marker lists. Only once its checksum verified."""
     try:
-        with store.fs.open(store.path(directory, METADATA_FILE), "rb") as f:
+        with store.open_file(store.path(directory, METADATA_FILE)) as f:
             metadata = load_metadata(f, reuse=True)  # the load that follows reads it
     except UnsafeCheckpointError as err:
         raise Incomplete(f"{METADATA_FILE} is unsafe: {err}") from None

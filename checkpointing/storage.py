@@ -14,14 +14,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from checkpointing.checksums import checksum_of
 from common.redact import one_line, strip_credentials
-from common.files import CHUNK, atomic_write, fsync_dir
+from common.files import CHUNK, atomic_write, fsync_dir, open_regular
 from common.retry import retry
 
 # Network mounts report some conditions as errors that pass: rclone's write-back cache, for
@@ -120,10 +120,18 @@ class Store:
     def checksum(self, path: str, algorithm: str) -> str:
         """The hex digest of the file at `path` (an algorithm of `checkpointing.checksums`)."""
         def read() -> str:
-            with self.fs.open(path, "rb") as f:
+            with self.open_file(path) as f:
                 return checksum_of(f, algorithm)
 
         return _retrying(read)
+
+    def open_file(self, path: str) -> BinaryIO:
+        """`path` opened to read; locally a regular file only, not through a link (OSError
+        else). A listing checked it, but another rank reads it later: a FIFO put there
+        meanwhile would block its open, a link to /dev/zero its read, for good."""
+        if not self.is_local:
+            return self.fs.open(path, "rb")
+        return os.fdopen(open_regular(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
     def read_bytes(self, path: str) -> bytes:
         return _retrying(lambda: self.fs.cat_file(path))

@@ -147,6 +147,28 @@ def test_a_name_a_marker_lists_is_one_short_line_in_the_warning(saved_at_two_ran
     assert reports[1]["warnings"] == []
 
 
+@pytest.mark.parametrize("swap", ["fifo", "zero"])
+def test_a_file_swapped_after_rank_0_listed_it_fails_the_checkpoint_on_every_rank(
+        saved_at_two_ranks, tmp_path, swap):
+    """Rank 1 reads its share after rank 0's listing: a FIFO put there meanwhile blocked its
+    open, a link to /dev/zero its read, for good (and rank 0 timed out in the all-reduce).
+    Such a file could not be read, on every rank, and the older checkpoint is used."""
+    root, _ = saved_at_two_ranks
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "ckpt", ckpt)
+    older = ckpt / "step_000000005"
+    shutil.copytree(ckpt / "step_000000007", older)
+    for marker in older.glob("commit_rank_*.json"):
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "step": 5}))
+    reports = run_worker(2, f"discover-{swap}", ckpt, tmp_path / "out")
+    assert [r["complete"] for r in reports] == [[[5, 2]], [[5, 2]]]
+    swapped = Path(reports[1]["read"][0])
+    assert swapped.parent.name == "step_000000007"
+    [warning] = reports[0]["warnings"]
+    assert f"step_000000007 is incomplete ({swapped.name} could not be read)" in warning
+    assert reports[1]["warnings"] == []
+
+
 def test_a_marker_survives_rank_0_committing_its_directory_the_moment_it_appears(
         tmp_path, monkeypatch):
     """Rank 0 renames the partial directory as soon as the last marker is visible, which

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -38,10 +39,30 @@ def recording_reads() -> list:
     return read
 
 
-def discover(manager: CheckpointManager) -> dict:
+def swapping_first_read(kind: str) -> None:
+    """The first file this process reads for a checksum is, just before, replaced with a
+    FIFO (`kind` "fifo") or a link to /dev/zero ("zero"): as if swapped after rank 0's
+    listing of the checkpoint found a regular file there."""
+    checksum = Store.checksum
+    swapped: list = []
+
+    def swapping(store: Store, path: str, algorithm: str) -> str:
+        if not swapped:
+            swapped.append(path)
+            os.remove(path)
+            os.mkfifo(path) if kind == "fifo" else os.symlink("/dev/zero", path)
+        return checksum(store, path, algorithm)
+
+    Store.checksum = swapping  # type: ignore[method-assign]
+
+
+def discover(manager: CheckpointManager, swap: str = "") -> dict:
     """The complete checkpoints the ranks agree on, the files whose bytes this rank read
-    for their checksums, and the warnings it logged."""
+    for their checksums, and the warnings it logged. With `swap`, rank 1's first read is
+    of a file swapped meanwhile (`swapping_first_read`)."""
     warnings = []
+    if swap and manager.rank == 1:
+        swapping_first_read(swap)
 
     class Warnings(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -76,8 +97,8 @@ def main(mode: str, directory: str, out: str) -> None:
     world = init_world(torch.device("cpu"), timeout_s=60)
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
                                 world.rank, world.world_size, world.control_group)
-    if mode in ("discover", "save-staged", "load-staged"):
-        report = (discover(manager) if mode == "discover"
+    if mode in ("discover", "discover-fifo", "discover-zero", "save-staged", "load-staged"):
+        report = (discover(manager, mode.partition("-")[2]) if mode.startswith("discover")
                   else staged(world, directory, out, mode))
         Path(out, f"rank{world.rank}.json").write_text(json.dumps(report))
         shutdown_world()
