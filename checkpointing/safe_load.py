@@ -439,10 +439,12 @@ def _unpickled(data: bytes) -> Any:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _parse_common(data)
-    except UnsafeCheckpointError:
-        raise
-    except Exception:  # _Uncommon, or damage: the reference reads it, and names the damage
+        try:
+            return _parse_common(data)
+        except UnsafeCheckpointError:
+            raise
+        except Exception:  # _Uncommon, or damage: the reference reads it, and names the damage
+            pass  # after this block: its traceback holds all the fast path built (2x the memory)
         return MetadataUnpickler(io.BytesIO(data)).load()
     finally:
         if collecting:

@@ -440,6 +440,25 @@ def test_tensors_that_share_a_chunk_list_are_refused():
             load_metadata(io.BytesIO(data))
 
 
+def test_a_file_the_fast_path_hands_over_is_not_held_twice():
+    """One byte (a None under the Metadata) makes the fast path parse all of a file and
+    then hand it to the reference: what it built must be gone by then, not held by its
+    exception's traceback (twice the memory of a large `.metadata`)."""
+    data = pickle.dumps(dcp_like_metadata(ranks=3000), protocol=4)
+    assert data[2] == pickle.FRAME[0]  # one None more in the first frame
+    size = struct.unpack_from("<Q", data, 3)[0]
+    hostile = data[:3] + struct.pack("<Q", size + 1) + b"N" + data[11:]
+    peaks = []
+    for load in (lambda: reference_load(hostile), lambda: load_metadata(io.BytesIO(hostile))):
+        tracemalloc.start()
+        try:
+            assert pickle.dumps(load()) == pickle.dumps(dcp_like_metadata(ranks=3000))
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert peaks[1] < 1.3 * peaks[0], peaks
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_garbage_collector_is_left_as_it_was(tmp_path, enabled):
     """A load pauses it (its passes took half the time of a large `.metadata`), read or
