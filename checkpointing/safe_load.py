@@ -475,6 +475,11 @@ def _check_structure(metadata: Any) -> None:
                 and all(isinstance(c, ChunkStorageMetadata) for c in v.chunks)))
             for k, v in entries.items()):
         raise UnsafeCheckpointError(f"{METADATA_FILE}: malformed state_dict_metadata")
+    # DCP's reader sets `load_id` on it: were it an allowed class, function or enum member,
+    # that would be set on the trainer's own for the rest of the process
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta,
+                                                            StorageMeta):
+        raise UnsafeCheckpointError(f"{METADATA_FILE}: malformed storage_meta")
     storage = metadata.storage_data
     if storage is not None and not (isinstance(storage, dict) and all(
             isinstance(k, MetadataIndex) and isinstance(v, _StorageInfo)

@@ -234,6 +234,21 @@ def test_build_never_changes_an_allowed_class_or_shared_value(proto):
     assert pathlib.PosixPath("/x").__fspath__() == "/x"
 
 
+def test_storage_meta_is_never_an_allowed_class_or_shared_value(tmp_path):
+    """DCP's reader sets `load_id` on `.metadata`'s `storage_meta`: an allowed class or a
+    shared enum member there got it set on the trainer's own, for the whole process."""
+    enum = safe_load._ALLOWED[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")]
+    files = {target: pickle.dumps(Metadata(state_dict_metadata={}, storage_meta=target),
+                                  protocol=4)
+             for target in [Metadata, StorageMeta, pathlib.PosixPath, torch.Size, *list(enum)]}
+    before = live_state()  # after pickling, which caches __slotnames__ on a class
+    for target, data in files.items():
+        (tmp_path / ".metadata").write_bytes(data)
+        with pytest.raises(UnsafeCheckpointError, match="storage_meta"):
+            safe_load.SafeFileSystemReader(str(tmp_path)).read_metadata()
+        assert live_state() == before, target
+
+
 def record(proto: int, cls: type, state: bytes) -> bytes:
     g = push_global(proto, "STACK_GLOBAL" if proto >= 4 else "GLOBAL", cls.__module__,
                     cls.__name__)
