@@ -593,8 +593,16 @@ class CheckpointManager:
         same on every rank. A collective: every rank reads its share of each candidate's
         bytes for their checksums, rather than rank 0 reading them all (a 1 B-parameter
         state with AdamW is 12 GB), so the check takes one rank's share of the time."""
-        steps = self._broadcast(commit.committed_steps(self.remote) if self.rank == 0
-                                else None)
+        steps: Any = None
+        if self.rank == 0:
+            try:
+                steps = commit.committed_steps(self.remote)
+            except Exception as err:  # after the store's retries; every rank must hear of it
+                steps = (f"cannot list the checkpoints in {self.remote.url} ({one_line(err)}): "
+                         f"check checkpoint.dir, the store and its credentials")
+        steps = self._broadcast(steps)
+        if isinstance(steps, str):
+            raise CheckpointError(steps)
         for step in steps:
             world_size = self._verify_together(step)
             if world_size is not None:

@@ -169,6 +169,16 @@ def test_a_file_swapped_after_rank_0_listed_it_fails_the_checkpoint_on_every_ran
     assert reports[1]["warnings"] == []
 
 
+def test_a_store_rank_0_cannot_list_is_one_error_on_every_rank(saved_at_two_ranks, tmp_path):
+    """Not a hang of the other ranks in the broadcast of what rank 0 found (until the
+    collective's timeout killed the job)."""
+    root, _ = saved_at_two_ranks
+    reports = run_worker(2, "discover-unlistable", root / "ckpt", tmp_path)
+    assert reports[0] == reports[1], reports
+    assert reports[0]["error"].startswith(f"cannot list the checkpoints in {root / 'ckpt'} "
+                                          f"(OSError: [Errno 5] Input/output error")
+
+
 def test_a_marker_survives_rank_0_committing_its_directory_the_moment_it_appears(
         tmp_path, monkeypatch):
     """Rank 0 renames the partial directory as soon as the last marker is visible, which

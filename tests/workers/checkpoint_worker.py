@@ -3,6 +3,7 @@ CheckpointManager at the launched world size, and report what each rank saw as J
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from checkpointing.manager import CheckpointManager, CheckpointOptions
+from checkpointing.manager import CheckpointError, CheckpointManager, CheckpointOptions
 from checkpointing.storage import Store
 from train.cluster.world import World, init_world, shutdown_world
 from train.resume.stateful import ModelState, OptimizerState, RNGState
@@ -56,12 +57,23 @@ def swapping_first_read(kind: str) -> None:
     Store.checksum = swapping  # type: ignore[method-assign]
 
 
+def unlistable() -> None:
+    """This process's listings of a checkpoint directory fail, as a store's that is gone."""
+    def failing(store: Store, path: str | None = None) -> list:
+        raise OSError(errno.EIO, "Input/output error", path or store.root)
+
+    Store.listdir = failing  # type: ignore[method-assign]
+
+
 def discover(manager: CheckpointManager, swap: str = "") -> dict:
-    """The complete checkpoints the ranks agree on, the files whose bytes this rank read
-    for their checksums, and the warnings it logged. With `swap`, rank 1's first read is
-    of a file swapped meanwhile (`swapping_first_read`)."""
+    """The complete checkpoints the ranks agree on (or the error every rank raised), the
+    files whose bytes this rank read for their checksums, and the warnings it logged. With
+    `swap`, rank 1's first read is of a file swapped meanwhile (`swapping_first_read`), or
+    ("unlistable") rank 0 cannot list the checkpoints."""
     warnings = []
-    if swap and manager.rank == 1:
+    if swap == "unlistable" and manager.rank == 0:
+        unlistable()
+    elif swap and swap != "unlistable" and manager.rank == 1:
         swapping_first_read(swap)
 
     class Warnings(logging.Handler):
@@ -70,8 +82,11 @@ def discover(manager: CheckpointManager, swap: str = "") -> dict:
 
     read = recording_reads()
     logging.getLogger("checkpointing.manager").addHandler(Warnings(logging.WARNING))
-    return {"complete": [list(c) for c in manager.complete_checkpoints()], "read": read,
-            "warnings": warnings}
+    try:
+        complete = [list(c) for c in manager.complete_checkpoints()]
+    except CheckpointError as err:
+        return {"error": str(err)}
+    return {"complete": complete, "read": read, "warnings": warnings}
 
 
 def staged(world: World, directory: str, out: str, mode: str) -> dict:
@@ -97,7 +112,8 @@ def main(mode: str, directory: str, out: str) -> None:
     world = init_world(torch.device("cpu"), timeout_s=60)
     manager = CheckpointManager(CheckpointOptions(dir=directory, async_mode="thread"),
                                 world.rank, world.world_size, world.control_group)
-    if mode in ("discover", "discover-fifo", "discover-zero", "save-staged", "load-staged"):
+    if mode in ("discover", "discover-fifo", "discover-zero", "discover-unlistable",
+                "save-staged", "load-staged"):
         report = (discover(manager, mode.partition("-")[2]) if mode.startswith("discover")
                   else staged(world, directory, out, mode))
         Path(out, f"rank{world.rank}.json").write_text(json.dumps(report))
