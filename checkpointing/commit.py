@@ -154,6 +154,9 @@ def checked_layout(store: Store, directory: str, step: int,
         if world_size not in (None, marker_world):
             raise Incomplete("commit markers disagree on the world size")
         world_size = marker_world
+        twice = next((n for n in files if n in listed), None)
+        if twice is not None:  # each rank lists its own files: which record would count?
+            raise Incomplete(f"{_shown(twice)} is listed by more than one commit marker")
         listed.update(files)
     assert world_size is not None
     if len(attempts) > 1:

@@ -4,6 +4,7 @@ benchmarks/scale.py, not here.)"""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -191,3 +192,17 @@ def test_a_save_to_an_object_store_reads_each_marker_once(tmp_path, monkeypatch)
         assert reads[commit.marker_name(0)] == 1, reads
     mgr.close()
     assert [s for s, _ in commit.find_complete(Store(str(tmp_path / "bucket")))] == [2, 1]
+
+
+def test_a_file_two_markers_list_makes_the_checkpoint_incomplete(tmp_path):
+    """Each rank lists its own files: a name in two markers (with the same record or not)
+    leaves no one record to trust, whatever order the markers are read in."""
+    name = many_rank_checkpoint(tmp_path, 4)
+    store = Store(str(tmp_path))
+    marker = tmp_path / name / commit.marker_name(2)
+    body = json.loads(marker.read_text())
+    body["files"]["__1_0.distcp"] = json.loads(
+        (tmp_path / name / commit.marker_name(1)).read_text())["files"]["__1_0.distcp"]
+    marker.write_text(json.dumps(body))
+    ok, line = verify.check(store, name, 7)
+    assert not ok and "__1_0.distcp is listed by more than one commit marker" in line, line
