@@ -29,7 +29,7 @@ from itertools import islice
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 from checkpointing.checksums import marker_entry, parse_marker_entry
-from checkpointing.safe_load import METADATA_FILE, UnsafeCheckpointError, _shown, load_metadata
+from checkpointing.safe_load import METADATA_FILE, UnsafeCheckpointError, load_metadata, shown
 from checkpointing.storage import Store
 
 STEP_DIR = re.compile(r"^step_(\d{9})$")
@@ -156,7 +156,7 @@ def checked_layout(store: Store, directory: str, step: int,
         world_size = marker_world
         twice = next((n for n in files if n in listed), None)
         if twice is not None:  # each rank lists its own files: which record would count?
-            raise Incomplete(f"{_shown(twice)} is listed by more than one commit marker")
+            raise Incomplete(f"{shown(twice)} is listed by more than one commit marker")
         listed.update(files)
     assert world_size is not None
     if len(attempts) > 1:
@@ -172,7 +172,7 @@ def checked_layout(store: Store, directory: str, step: int,
         _check_regular_file(entries, name)
         size = entries[name][1]
         if size != record.size:
-            raise Incomplete(f"{_shown(name)} is {size} bytes, its marker says {record.size}")
+            raise Incomplete(f"{shown(name)} is {size} bytes, its marker says {record.size}")
     return world_size, listed
 
 
@@ -201,8 +201,8 @@ def describe_mismatch(names: List[str], failure: Tuple[int, int]) -> str:
     """The one-line reason for `first_mismatch`'s finding over `names`."""
     position, kind = failure
     if kind == UNREADABLE:
-        return f"{_shown(names[position])} could not be read"
-    return f"{_shown(names[position])} does not match its checksum (altered or swapped)"
+        return f"{shown(names[position])} could not be read"
+    return f"{shown(names[position])} does not match its checksum (altered or swapped)"
 
 
 def share_of(listed: Dict[str, FileRecord], rank: int, world_size: int) -> List[str]:
@@ -232,19 +232,19 @@ def check_metadata(store: Store, directory: str, listed: Dict[str, FileRecord]) 
     needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
     unlisted = sorted(needed - set(listed))
     if unlisted:
-        raise Incomplete(f"{_shown(unlisted[0])} is used by {METADATA_FILE} but no marker "
+        raise Incomplete(f"{shown(unlisted[0])} is used by {METADATA_FILE} but no marker "
                          f"lists it")
 
 
 def _check_regular_file(entries: Dict[str, Tuple[bool, int]], name: str) -> None:
     """A checkpoint holds regular files only: a link may point at /dev/zero, a FIFO or a
     file outside the checkpoint, and reading those hangs or leaks. A name is shown as one
-    short line (`_shown`): a marker may list anything, a newline that forges a log line of
+    short line (`shown`): a marker may list anything, a newline that forges a log line of
     its own or megabytes of one name."""
     if name not in entries:
-        raise Incomplete(f"{_shown(name)} is missing")
+        raise Incomplete(f"{shown(name)} is missing")
     if not entries[name][0]:
-        raise Incomplete(f"{_shown(name)} is not a regular file (a symlink, device or "
+        raise Incomplete(f"{shown(name)} is not a regular file (a symlink, device or "
                          f"directory)")
 
 
